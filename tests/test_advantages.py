@@ -1,0 +1,47 @@
+"""Advantage estimators on hand-computed cases."""
+
+import pytest
+import torch
+
+from trainer import advantages
+
+REWARDS = torch.tensor([1.0, 2.0, 3.0, 6.0], dtype=torch.float64)
+
+
+def test_rloo_subtracts_the_mean_of_the_others():
+    assert advantages.rloo(REWARDS, 2).tolist() == [-1.0, 1.0, -3.0, 3.0]
+    expected = [1 - 11 / 3, 2 - 10 / 3, 3 - 9 / 3, 6 - 6 / 3]
+    assert torch.allclose(advantages.rloo(REWARDS, 4), torch.tensor(expected, dtype=torch.float64))
+
+
+def test_drgrpo_subtracts_the_group_mean():
+    assert advantages.drgrpo(REWARDS, 2).tolist() == [-0.5, 0.5, -1.5, 1.5]
+    assert torch.allclose(advantages.drgrpo(REWARDS, 4), advantages.rloo(REWARDS, 4) * 3 / 4)
+
+
+def test_grpo_divides_by_the_unbiased_group_std():
+    std = 2**0.5 / 2  # std of [1, 2] and half of [3, 6]'s
+    expected = [-0.5 / (std + 1e-4), 0.5 / (std + 1e-4), -1.5 / (3 * std + 1e-4), 1.5 / (3 * std + 1e-4)]
+    assert torch.allclose(advantages.grpo(REWARDS, 2), torch.tensor(expected, dtype=torch.float64))
+    assert advantages.grpo(REWARDS, 2, scale=False).tolist() == advantages.drgrpo(REWARDS, 2).tolist()
+
+
+def test_reinforce_is_the_reward():
+    assert advantages.reinforce(REWARDS, 2).tolist() == REWARDS.tolist()
+
+
+def test_equal_rewards_give_zero_advantage():
+    flat = torch.full((6,), 0.7, dtype=torch.float64)
+    for name in ("rloo", "grpo", "drgrpo"):
+        assert torch.allclose(advantages.compute(name, flat, 3), torch.zeros(6, dtype=torch.float64))
+
+
+def test_bad_inputs_give_clear_errors():
+    with pytest.raises(ValueError, match="not a whole number of groups of 3"):
+        advantages.rloo(REWARDS, 3)
+    with pytest.raises(ValueError, match="rloo needs group_size >= 2"):
+        advantages.rloo(REWARDS, 1)
+    with pytest.raises(ValueError, match="shape"):
+        advantages.drgrpo(REWARDS.view(2, 2), 2)
+    with pytest.raises(ValueError, match="unknown advantage 'ppo'.*rloo, grpo, drgrpo, reinforce"):
+        advantages.compute("ppo", REWARDS, 2)

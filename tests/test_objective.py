@@ -1,0 +1,131 @@
+"""compute_loss and ObjectiveConfig: aggregation, hand-computed losses, statistics, bad input."""
+
+import math
+
+import pytest
+import torch
+
+from trainer.objective import ObjectiveConfig, aggregate, compute_loss
+
+PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("loss_agg,expected", [
+    ("token-mean", 7 / 3),                  # (1 + 2 + 4) / 3 tokens
+    ("seq-mean-token-sum", 3.5),            # (3 + 4) / 2 responses
+    ("seq-mean-token-mean", 2.75),          # (3/2 + 4/1) / 2
+    ("seq-mean-token-sum-norm", 3.5 / 4),   # (3 + 4) / 2 / norm_length 4
+])
+def test_each_loss_aggregation_on_a_hand_computed_case(loss_agg, expected):
+    assert aggregate(PER_TOKEN, MASK, loss_agg, norm_length=4).item() == pytest.approx(expected)
+
+
+def _batch():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5], [-2.0, -0.2], [-1.0, -1.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -1.0], [-0.5, -2.5], [-1.0, -0.2], [-2.0, -1.0]], dtype=torch.float64)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    return logp, ref, rewards, mask
+
+
+def test_loss_value_on_a_hand_computed_case():
+    """k1 in reward and k3 in loss, RLOO, on-policy: every number written out."""
+    logp, ref, rewards, mask = _batch()
+    beta = 0.1
+    l = (logp - ref) * mask
+    k1_seq = l.sum(-1)                                   # [-0.5, 0.0, -1.0, 1.0]
+    shaped = rewards - beta * k1_seq                     # [1.05, 0.0, 0.6, 0.9]
+    adv = torch.stack([shaped[0] - shaped[1], shaped[1] - shaped[0], shaped[2] - shaped[3], shaped[3] - shaped[2]])
+    pg = -(adv.unsqueeze(-1) * mask).sum(-1).mean()      # ratio = 1 on-policy
+    k3 = (torch.exp(-(logp - ref)) - 1 + (logp - ref)) * mask
+    expected = pg + beta * k3.sum(-1).mean()
+
+    config_r = ObjectiveConfig(estimator="k1", placement="reward", beta=beta)
+    loss_r, stats = compute_loss(logp, ref, None, rewards, mask, 2, config_r)
+    assert loss_r.item() == pytest.approx(pg.item(), rel=1e-12)
+    assert stats["kl_k1"] == pytest.approx(k1_seq.mean().item())
+    assert stats["reward_shaped_mean"] == pytest.approx(shaped.mean().item())
+    assert stats["kl_k3"] == pytest.approx(k3.sum(-1).mean().item())
+
+    # k3 in the loss, k1 in the reward: not a placement klstudy offers, so add the two by hand
+    config_l = ObjectiveConfig(estimator="k3", placement="loss", beta=beta)
+    loss_l, _ = compute_loss(logp, ref, None, rewards, mask, 2, config_l)
+    pg_raw = -(torch.stack([rewards[0] - rewards[1], rewards[1] - rewards[0], rewards[2] - rewards[3],
+                            rewards[3] - rewards[2]]).unsqueeze(-1) * mask).sum(-1).mean()
+    assert loss_l.item() == pytest.approx((pg_raw + beta * k3.sum(-1).mean()).item(), rel=1e-12)
+    assert expected.item() == pytest.approx(pg.item() + beta * k3.sum(-1).mean().item())
+
+
+def test_placement_none_ignores_beta():
+    logp, ref, rewards, mask = _batch()
+    a, _ = compute_loss(logp, ref, None, rewards, mask, 2, ObjectiveConfig(placement="none", beta=0.0))
+    b, _ = compute_loss(logp, ref, None, rewards, mask, 2, ObjectiveConfig(placement="none", beta=5.0))
+    assert a.item() == b.item()
+
+
+def test_ratio_clipping_and_its_statistics():
+    logp, ref, rewards, mask = _batch()
+    old = logp.clone()
+    old[0, 0] -= math.log(1.5)   # ratio 1.5 on a token with a positive advantage: clipped at 1.2
+    old[3, 1] += math.log(2.0)   # ratio 0.5, advantage +0.5: the unclipped term is the larger loss, kept
+    config = ObjectiveConfig(placement="none", clip_eps=0.2)
+    theta = logp.clone().requires_grad_(True)
+    loss, stats = compute_loss(theta, ref, old, rewards, mask, 2, config)
+    loss.backward()
+    assert stats["clip_frac"] == pytest.approx(1 / 7)
+    assert stats["ratio_max"] == pytest.approx(1.5)
+    assert stats["ratio_min"] == pytest.approx(0.5)
+    assert theta.grad[0, 0].item() == 0.0  # a clipped token gets no gradient
+    assert theta.grad[3, 1].item() != 0.0
+
+
+def test_stats_are_plain_floats_and_count_clamped_tokens():
+    logp, ref, rewards, mask = _batch()
+    logp = logp.float()
+    ref = ref.float()
+    logp[3, 1] = -500.0  # k3's exponent overflows float32 on this token
+    _, stats = compute_loss(logp, ref, None, rewards.float(), mask, 2, ObjectiveConfig(estimator="k3", placement="loss"))
+    assert all(type(v) is float for v in stats.values())
+    assert stats["kl_clamped_tokens"] == 1.0
+    assert math.isfinite(stats["kl_k3"])
+    _, stats_k1 = compute_loss(logp, ref, None, rewards.float(), mask, 2, ObjectiveConfig(estimator="k1"))
+    assert stats_k1["kl_clamped_tokens"] == 0.0
+    assert set(stats) >= {"kl_k1", "kl_k3", "adv_mean", "adv_std", "ratio_mean", "clip_frac", "kl_clamped_tokens"}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"estimator": "k4"}, r"ObjectiveConfig.estimator: 'k4' is not one of k1, k2, k3"),
+    ({"placement": "advantage"}, r"ObjectiveConfig.placement: .* none, reward, loss, reward\+loss"),
+    ({"advantage": "ppo"}, r"ObjectiveConfig.advantage: 'ppo' is not one of rloo, grpo, drgrpo, reinforce"),
+    ({"loss_agg": "sum"}, r"ObjectiveConfig.loss_agg"),
+    ({"kl_loss_ratio": "clipped"}, r"ObjectiveConfig.kl_loss_ratio: 'clipped' is not one of none, detached, differentiable"),
+    ({"beta": -0.1}, r"ObjectiveConfig.beta: must be a finite number >= 0"),
+    ({"beta": float("nan")}, r"ObjectiveConfig.beta"),
+    ({"beta": "0.1"}, r"ObjectiveConfig.beta: must be a number"),
+    ({"loss_agg": "seq-mean-token-sum-norm"}, r"ObjectiveConfig.norm_length"),
+    ({"clip_eps": 0.0}, r"ObjectiveConfig.clip_eps"),
+    ({"clip_eps": 1.5}, r"ObjectiveConfig.clip_eps: must be < 1"),
+    ({"clip_eps_high": 0.3}, r"ObjectiveConfig.clip_eps_high: set clip_eps too"),
+])
+def test_bad_config_values_give_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ObjectiveConfig(**kwargs)
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        ObjectiveConfig().beta = 1.0  # type: ignore[misc]
+
+
+def test_mismatched_shapes_give_clear_errors():
+    logp, ref, rewards, mask = _batch()
+    config = ObjectiveConfig()
+    with pytest.raises(ValueError, match="ref_logp has shape"):
+        compute_loss(logp, ref[:, :1], None, rewards, mask, 2, config)
+    with pytest.raises(ValueError, match="rewards must have shape"):
+        compute_loss(logp, ref, None, rewards[:3], mask, 2, config)
+    with pytest.raises(ValueError, match="not a whole number of groups of 3"):
+        compute_loss(logp, ref, None, rewards, mask, 3, config)
+    with pytest.raises(ValueError, match="old_logp has shape"):
+        compute_loss(logp, ref, logp[:2], rewards, mask, 2, config)

@@ -1,0 +1,225 @@
+"""The RL loss: policy gradient plus a KL term, for every estimator x placement x weighting.
+
+KL_THEORY.md states what each configuration's expected gradient is; `trainer.audit` checks these
+statements by exact enumeration through `compute_loss` itself, so the trainer and the proof share
+one implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from trainer import advantages, kl
+
+PLACEMENTS = ("none", "reward", "loss", "reward+loss")
+LOSS_AGGS = ("seq-mean-token-sum", "seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+KL_LOSS_RATIOS = ("none", "detached", "differentiable")
+
+
+def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"ObjectiveConfig.{key}: {value!r} is not one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """What the loss computes. Invalid values raise ValueError naming the field.
+
+    estimator       k1 | k2 | k3 (see trainer.kl)
+    placement       none | reward | loss | reward+loss: where beta x the estimate goes
+    beta            KL coefficient, >= 0 (ignored for placement none)
+    advantage       rloo | grpo | drgrpo | reinforce (see trainer.advantages)
+    grpo_scale      grpo only: divide by the group std (False gives Dr. GRPO's centring)
+    loss_agg        how per-token losses become one number:
+                    seq-mean-token-sum       mean over responses of their token sums (the
+                                             aggregation under which KL_THEORY.md's identities
+                                             are exact)
+                    seq-mean-token-mean      mean over responses of their token means
+                    token-mean               mean over every response token of the batch
+                    seq-mean-token-sum-norm  token sums divided by the fixed `norm_length`
+                                             (Dr. GRPO), then the mean over responses
+    norm_length     the constant of seq-mean-token-sum-norm (e.g. the maximum response length)
+    clip_eps        PPO ratio clipping to [1 - clip_eps, 1 + clip_eps_high]; None = no clipping
+    clip_eps_high   upper clip (DAPO's clip-higher); None = clip_eps
+    kl_loss_ratio   off-policy importance weight on the KL loss term, rho = pi_theta / mu:
+                    none            beta * k                (ignores the behaviour policy)
+                    detached        beta * sg(rho) * k      on-policy meaning under samples of
+                                                            mu, token level; on-policy a no-op
+                    differentiable  beta * rho * k          DeepSeek-V3.2 / TRL
+                                                            use_bias_correction_kl; NOT a no-op
+                                                            on-policy (turns k3 into k2)
+    """
+
+    estimator: str = "k1"
+    placement: str = "reward"
+    beta: float = 0.05
+    advantage: str = "rloo"
+    grpo_scale: bool = True
+    loss_agg: str = "seq-mean-token-sum"
+    norm_length: int | None = None
+    clip_eps: float | None = None
+    clip_eps_high: float | None = None
+    kl_loss_ratio: str = "none"
+
+    def __post_init__(self) -> None:
+        _choice("estimator", self.estimator, kl.ESTIMATORS)
+        _choice("placement", self.placement, PLACEMENTS)
+        _choice("advantage", self.advantage, advantages.ADVANTAGES)
+        _choice("loss_agg", self.loss_agg, LOSS_AGGS)
+        _choice("kl_loss_ratio", self.kl_loss_ratio, KL_LOSS_RATIOS)
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
+            raise ValueError(f"ObjectiveConfig.beta: must be a number, got {self.beta!r}")
+        if not self.beta >= 0 or self.beta == float("inf"):
+            raise ValueError(f"ObjectiveConfig.beta: must be a finite number >= 0, got {self.beta}")
+        if self.loss_agg == "seq-mean-token-sum-norm":
+            if not isinstance(self.norm_length, int) or self.norm_length < 1:
+                raise ValueError(
+                    "ObjectiveConfig.norm_length: seq-mean-token-sum-norm needs a positive "
+                    f"integer norm_length (e.g. the maximum response length), got {self.norm_length!r}"
+                )
+        for key in ("clip_eps", "clip_eps_high"):
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value):
+                raise ValueError(f"ObjectiveConfig.{key}: must be None or a number > 0, got {value!r}")
+        if self.clip_eps is not None and self.clip_eps >= 1:
+            raise ValueError(f"ObjectiveConfig.clip_eps: must be < 1, got {self.clip_eps}")
+        if self.clip_eps_high is not None and self.clip_eps is None:
+            raise ValueError("ObjectiveConfig.clip_eps_high: set clip_eps too (clip_eps_high only widens it)")
+
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.placement in ("reward", "reward+loss")
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.placement in ("loss", "reward+loss")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int | None = None) -> Tensor:
+    """Reduce a [B, T] per-token loss over the response `mask` as `loss_agg` says."""
+    masked = per_token * mask
+    if loss_agg == "token-mean":
+        return masked.sum() / mask.sum().clamp(min=1)
+    token_sums = masked.sum(dim=-1)
+    if loss_agg == "seq-mean-token-sum":
+        return token_sums.mean()
+    if loss_agg == "seq-mean-token-mean":
+        return (token_sums / mask.sum(dim=-1).clamp(min=1)).mean()
+    if loss_agg == "seq-mean-token-sum-norm":
+        if norm_length is None:
+            raise ValueError("seq-mean-token-sum-norm needs norm_length")
+        return token_sums.mean() / norm_length
+    raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {', '.join(LOSS_AGGS)}")
+
+
+def _check_inputs(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, rewards: Tensor,
+                  mask: Tensor, group_size: int) -> None:
+    if logp.dim() != 2:
+        raise ValueError(f"logp must have shape [B, T], got {tuple(logp.shape)}")
+    named = {"ref_logp": ref_logp, "mask": mask}
+    if old_logp is not None:
+        named["old_logp"] = old_logp
+    for name, tensor in named.items():
+        if tensor.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
+    if rewards.shape != logp.shape[:1]:
+        raise ValueError(f"rewards must have shape [{logp.shape[0]}], got {tuple(rewards.shape)}")
+    if group_size < 1 or logp.shape[0] % group_size:
+        raise ValueError(f"batch of {logp.shape[0]} rows is not a whole number of groups of {group_size}")
+
+
+def compute_loss(
+    logp: Tensor,
+    ref_logp: Tensor,
+    old_logp: Tensor | None,
+    rewards: Tensor,
+    mask: Tensor,
+    group_size: int,
+    config: ObjectiveConfig,
+) -> tuple[Tensor, dict[str, float]]:
+    """The scalar loss to minimise and a dict of plain-float statistics.
+
+    logp      [B, T] log pi_theta of the sampled tokens (with grad)
+    ref_logp  [B, T] log pi_ref of the same tokens
+    old_logp  [B, T] log mu, the behaviour policy that sampled them; None means on-policy
+              (mu = pi_theta, detached)
+    rewards   [B]    scalar reward per response
+    mask      [B, T] 1 on response tokens, 0 on padding
+    B = prompts x group_size, each group in consecutive rows.
+    """
+    _check_inputs(logp, ref_logp, old_logp, rewards, mask, group_size)
+    estimate = kl.estimate(config.estimator, logp, ref_logp)
+    dtype = estimate.dtype
+    maskf = mask.to(dtype)
+    logp_c = logp.to(dtype)
+    old = logp_c.detach() if old_logp is None else old_logp.to(dtype)
+
+    shaped = rewards.to(dtype)
+    seq_estimate = (estimate.detach() * maskf).sum(dim=-1)
+    if config.kl_in_reward:
+        shaped = shaped - config.beta * seq_estimate
+    adv = advantages.compute(config.advantage, shaped, group_size, grpo_scale=config.grpo_scale)
+
+    ratio = torch.exp(logp_c - old)
+    adv_t = adv.unsqueeze(-1)
+    pg = -ratio * adv_t
+    clipped = torch.zeros_like(maskf, dtype=torch.bool)
+    if config.clip_eps is not None:
+        high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+        pg_clipped = -torch.clamp(ratio, 1 - config.clip_eps, 1 + high) * adv_t
+        clipped = pg_clipped > pg
+        pg = torch.maximum(pg, pg_clipped)
+    loss_pg = aggregate(pg, maskf, config.loss_agg, config.norm_length)
+
+    loss = loss_pg
+    loss_kl = torch.zeros((), dtype=dtype, device=logp.device)
+    if config.kl_in_loss:
+        weight = {"none": None, "detached": ratio.detach(), "differentiable": ratio}[config.kl_loss_ratio]
+        kl_term = estimate if weight is None else weight * estimate
+        loss_kl = config.beta * aggregate(kl_term, maskf, config.loss_agg, config.norm_length)
+        loss = loss + loss_kl
+
+    stats = _stats(logp_c, ref_logp, rewards, shaped, adv, ratio, clipped, maskf, loss_pg, loss_kl, config)
+    return loss, stats
+
+
+@torch.no_grad()
+def _stats(logp: Tensor, ref_logp: Tensor, rewards: Tensor, shaped: Tensor, adv: Tensor,
+           ratio: Tensor, clipped: Tensor, maskf: Tensor, loss_pg: Tensor, loss_kl: Tensor,
+           config: ObjectiveConfig) -> dict[str, float]:
+    """Plain floats for logging, gathered in one device transfer."""
+    n_tokens = maskf.sum().clamp(min=1)
+    seq_sum = {name: (kl.estimate(name, logp.detach(), ref_logp) * maskf).sum(dim=-1)
+               for name in kl.ESTIMATORS}
+    tokens = maskf.bool()
+    ratio_tokens = ratio.detach()[tokens] if tokens.any() else ratio.new_ones(1)
+    clamped_tokens = torch.zeros((), dtype=maskf.dtype, device=maskf.device)
+    if config.placement != "none":
+        clamped_tokens = (kl.clamped(config.estimator, logp, ref_logp) & tokens).sum().to(maskf.dtype)
+    values = {
+        "reward_mean": rewards.to(maskf.dtype).mean(),
+        "reward_shaped_mean": shaped.mean(),
+        "kl_k1": seq_sum["k1"].mean(),
+        "kl_k2": seq_sum["k2"].mean(),
+        "kl_k3": seq_sum["k3"].mean(),
+        "adv_mean": adv.mean(),
+        "adv_std": adv.std() if adv.numel() > 1 else adv.new_zeros(()),
+        "adv_abs_max": adv.abs().max(),
+        "ratio_mean": ratio_tokens.mean(),
+        "ratio_min": ratio_tokens.min(),
+        "ratio_max": ratio_tokens.max(),
+        "clip_frac": (clipped & tokens).sum() / n_tokens,
+        "kl_clamped_tokens": clamped_tokens,
+        "loss_pg": loss_pg.detach(),
+        "loss_kl": loss_kl.detach(),
+        "response_length": maskf.sum(dim=-1).mean(),
+    }
+    numbers = torch.stack([v.to(maskf.dtype) for v in values.values()]).tolist()
+    return dict(zip(values, numbers))
