@@ -1,0 +1,188 @@
+"""KL_THEORY.md's identities, checked by exact enumeration through compute_loss (float64).
+
+The KL part of an expected gradient is (E[grad loss] - E[grad loss with no KL]) / beta; RLOO keeps
+the policy-gradient part linear in the reward, so the difference isolates the KL term exactly.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from trainer import tabular
+from trainer.audit import AuditInstance, expected_gradient, gradient_audit, rel_error, target_gradients
+from trainer.objective import ObjectiveConfig
+
+TOL = 1e-6
+BETA = 0.1
+# (vocab, length, group size): the theory's instance and two more shapes.
+SHAPES = [(3, 2, 2), (2, 3, 2), (2, 2, 3)]
+BASE = ObjectiveConfig(placement="none", beta=BETA, advantage="rloo")
+
+
+def kl_part(inst, estimator, placement, group_size, off_policy=False, kl_loss_ratio="none"):
+    config = replace(BASE, estimator=estimator, placement=placement, kl_loss_ratio=kl_loss_ratio)
+    with_kl = expected_gradient(inst, config, group_size, off_policy)
+    without = expected_gradient(inst, BASE, group_size, off_policy)
+    return (with_kl - without) / BETA
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=lambda s: f"V{s[0]}-T{s[1]}-G{s[2]}")
+def case(request):
+    vocab, length, group_size = request.param
+    inst = AuditInstance.random(vocab, length, seed=7)
+    assert float(inst.rewards.min()) > 0  # non-zero rewards: the policy-gradient part is live
+    return inst, group_size, target_gradients(inst)
+
+
+def test_none_is_exactly_the_policy_gradient_of_expected_reward(case):
+    inst, group_size, targets = case
+    grad = expected_gradient(inst, BASE, group_size, off_policy=False)
+    assert rel_error(grad, -targets["reward"]) < TOL
+
+
+@pytest.mark.parametrize("estimator,placement", [("k1", "reward"), ("k1", "reward+loss"), ("k3", "reward+loss")])
+def test_unbiased_configurations_give_grad_kl(case, estimator, placement):
+    inst, group_size, targets = case
+    assert rel_error(kl_part(inst, estimator, placement, group_size), targets["unbiased"]) < TOL
+
+
+def test_k1_loss_gives_zero(case):
+    inst, group_size, targets = case
+    assert kl_part(inst, "k1", "loss", group_size).norm() < TOL * targets["unbiased"].norm()
+
+
+def test_k2_loss_is_per_prefix_reverse_kl(case):
+    inst, group_size, targets = case
+    grad = kl_part(inst, "k2", "loss", group_size)
+    assert rel_error(grad, targets["per-prefix reverse"]) < TOL
+    assert rel_error(grad, targets["unbiased"]) > 1e-3  # biased for T > 1
+
+
+def test_k3_loss_is_per_prefix_forward_kl(case):
+    inst, group_size, targets = case
+    grad = kl_part(inst, "k3", "loss", group_size)
+    assert rel_error(grad, targets["per-prefix forward"]) < TOL
+    assert rel_error(grad, targets["unbiased"]) > 1e-3
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_reward_placement_of_k2_and_k3_is_biased(case, estimator):
+    inst, group_size, targets = case
+    grad = kl_part(inst, estimator, "reward", group_size)
+    for target in ("unbiased", "per-prefix reverse", "per-prefix forward"):
+        assert rel_error(grad, targets[target]) > 1e-2
+
+
+def test_k3_reward_is_grad_kl_minus_the_k3_loss_term(case):
+    inst, group_size, targets = case
+    grad = kl_part(inst, "k3", "reward", group_size)
+    assert rel_error(grad, targets["unbiased"] - targets["per-prefix forward"]) < TOL
+
+
+def test_k2_reward_plus_loss_is_the_gradient_of_expected_k2(case):
+    inst, group_size, targets = case
+    space = inst.space
+    ref_token_logp = space.token_logp(inst.ref_logits)
+    theta = inst.logits.clone().requires_grad_(True)
+    token_logp = space.token_logp(theta)
+    expected_k2 = (token_logp.sum(-1).exp() * (0.5 * (token_logp - ref_token_logp) ** 2).sum(-1)).sum()
+    (grad_expected_k2,) = torch.autograd.grad(expected_k2, theta)
+    grad = kl_part(inst, "k2", "reward+loss", group_size)
+    assert rel_error(grad, grad_expected_k2) < TOL
+    assert rel_error(grad, targets["unbiased"]) > 1e-2
+
+
+# --- off-policy weighting of the KL loss -------------------------------------------------------
+
+def _sampled_batch(inst, group_size, n_groups, seed):
+    gen = torch.Generator().manual_seed(seed)
+    probs = inst.space.seq_logp(inst.behaviour_logits).exp()
+    return torch.multinomial(probs, group_size * n_groups, replacement=True, generator=gen)
+
+
+def _batch_gradient(inst, rows, group_size, config, behaviour):
+    space = inst.space
+    theta = inst.logits.clone().requires_grad_(True)
+    logp = space.token_logp(theta)[rows]
+    old = space.token_logp(inst.behaviour_logits)[rows] if behaviour else None
+    mask = torch.ones_like(logp)
+    from trainer.objective import compute_loss
+    loss, _ = compute_loss(logp, space.token_logp(inst.ref_logits)[rows], old, inst.rewards[rows], mask,
+                           group_size, config)
+    (grad,) = torch.autograd.grad(loss, theta)
+    return grad
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("placement", ["loss", "reward+loss"])
+def test_detached_weight_changes_nothing_on_policy(estimator, placement):
+    inst = AuditInstance.random(3, 3, seed=3)
+    rows = _sampled_batch(inst, 4, 3, seed=0)
+    plain = replace(BASE, estimator=estimator, placement=placement)
+    detached = replace(plain, kl_loss_ratio="detached")
+    assert torch.equal(_batch_gradient(inst, rows, 4, plain, False), _batch_gradient(inst, rows, 4, detached, False))
+
+
+def test_differentiable_weight_turns_k3_loss_into_k2_loss_on_policy():
+    inst = AuditInstance.random(3, 3, seed=4)
+    rows = _sampled_batch(inst, 4, 3, seed=1)
+    k3_diff = replace(BASE, estimator="k3", placement="loss", kl_loss_ratio="differentiable")
+    k2_plain = replace(BASE, estimator="k2", placement="loss")
+    g3 = _batch_gradient(inst, rows, 4, k3_diff, False)
+    g2 = _batch_gradient(inst, rows, 4, k2_plain, False)
+    assert rel_error(g3, g2) < 1e-12  # the same for every sample, not only in expectation
+    assert rel_error(_batch_gradient(inst, rows, 4, replace(k3_diff, kl_loss_ratio="none"), False), g2) > 1e-3
+
+
+@pytest.mark.parametrize("group_size", [2, 3])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("placement", ["none", "reward", "loss", "reward+loss"])
+def test_detached_weight_recovers_on_policy_gradient_for_one_token_responses(estimator, placement, group_size):
+    inst = AuditInstance.random(3, 1, seed=5)
+    config = replace(BASE, estimator=estimator, placement=placement, kl_loss_ratio="detached")
+    off = expected_gradient(inst, config, group_size, off_policy=True)
+    on = expected_gradient(inst, replace(config, kl_loss_ratio="none"), group_size, off_policy=False)
+    assert rel_error(off, on) < TOL
+
+
+def test_token_level_ratios_leave_longer_responses_biased_and_the_audit_says_by_how_much():
+    one_token = gradient_audit(vocab=3, length=1, group_size=2, seeds=(0,), progress=False)
+    two_tokens = gradient_audit(vocab=3, length=2, group_size=2, seeds=(0,), progress=False)
+
+    def detached_rows(result):
+        return [r for r in result.rows if r.sampling == "off-policy" and r.kl_loss_ratio == "detached"]
+
+    assert all(r.err_on_policy < TOL for r in detached_rows(one_token))
+    assert one_token.pg_error["off-policy"] < TOL
+    # k1-loss stays exactly zero under the detached weight; every other loss term is shifted
+    shifted = [r for r in detached_rows(two_tokens) if (r.estimator, r.placement) != ("k1", "loss")]
+    assert shifted and all(r.err_on_policy > 1e-2 for r in shifted)
+    assert two_tokens.pg_error["off-policy"] > 1e-2
+
+
+def test_audit_verdicts_agree_with_kl_theory():
+    result = gradient_audit(vocab=3, length=2, group_size=2, seeds=(0, 1), progress=False)
+    on_policy = [r for r in result.rows if r.sampling == "on-policy"]
+    assert len(on_policy) == 15
+    assert all(r.agrees is not False for r in on_policy), [(r.estimator, r.placement, r.verdict) for r in on_policy]
+    assert sum(r.agrees is True for r in on_policy) == 10
+    assert result.pg_error["on-policy"] < TOL
+
+
+def test_one_token_audit_merges_coinciding_targets():
+    """For T = 1 the per-prefix reverse KL is the sequence KL: k2-loss is unbiased there."""
+    result = gradient_audit(vocab=3, length=1, group_size=2, seeds=(0,), progress=False)
+    row = next(r for r in result.rows if (r.sampling, r.estimator, r.placement, r.kl_loss_ratio)
+               == ("on-policy", "k2", "loss", "none"))
+    assert row.verdict == "unbiased = per-prefix reverse"
+
+
+def test_prefix_probabilities_sum_to_one_per_depth():
+    space = tabular.SequenceSpace(3, 3)
+    logits = space.random_logits(torch.Generator().manual_seed(0))
+    reach = space.prefix_probs(logits)
+    assert torch.allclose(reach[0], torch.tensor(1.0, dtype=torch.float64))
+    assert torch.allclose(reach[1:4].sum(), torch.tensor(1.0, dtype=torch.float64))
+    assert torch.allclose(reach[4:13].sum(), torch.tensor(1.0, dtype=torch.float64))
+    assert torch.allclose(space.seq_logp(logits).exp().sum(), torch.tensor(1.0, dtype=torch.float64))
