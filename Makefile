@@ -22,4 +22,5 @@ study: $(STAMP)
 	$(BIN)/python -m trainer audit --out results/audit
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest

@@ -85,7 +85,8 @@ def test_stats_are_plain_floats_and_count_clamped_tokens():
     logp = logp.float()
     ref = ref.float()
     logp[3, 1] = -500.0  # k3's exponent overflows float32 on this token
-    _, stats = compute_loss(logp, ref, None, rewards.float(), mask, 2, ObjectiveConfig(estimator="k3", placement="loss"))
+    k3_loss = ObjectiveConfig(estimator="k3", placement="loss")
+    _, stats = compute_loss(logp, ref, None, rewards.float(), mask, 2, k3_loss)
     assert all(type(v) is float for v in stats.values())
     assert stats["kl_clamped_tokens"] == 1.0
     assert math.isfinite(stats["kl_k3"])
@@ -99,7 +100,8 @@ def test_stats_are_plain_floats_and_count_clamped_tokens():
     ({"placement": "advantage"}, r"ObjectiveConfig.placement: .* none, reward, loss, reward\+loss"),
     ({"advantage": "ppo"}, r"ObjectiveConfig.advantage: 'ppo' is not one of rloo, grpo, drgrpo, reinforce"),
     ({"loss_agg": "sum"}, r"ObjectiveConfig.loss_agg"),
-    ({"kl_loss_ratio": "clipped"}, r"ObjectiveConfig.kl_loss_ratio: 'clipped' is not one of none, detached, differentiable"),
+    ({"kl_loss_ratio": "clipped"},
+     r"ObjectiveConfig.kl_loss_ratio: 'clipped' is not one of none, detached, differentiable"),
     ({"beta": -0.1}, r"ObjectiveConfig.beta: must be a finite number >= 0"),
     ({"beta": float("nan")}, r"ObjectiveConfig.beta"),
     ({"beta": "0.1"}, r"ObjectiveConfig.beta: must be a number"),

@@ -12,17 +12,14 @@ distance KL(pi || pi*) to the regularised optimum pi* ~ pi_ref exp(R / beta) ove
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from trainer import kl, tabular
 from trainer.objective import KL_LOSS_RATIOS, PLACEMENTS, ObjectiveConfig, compute_loss
-
-log = logging.getLogger(__name__)
+from trainer.progress import progress_bar
 
 # KL_THEORY.md's statements, on-policy, for responses longer than one token:
 # (estimator, placement, kl_loss_ratio) -> verdict.
@@ -82,7 +79,7 @@ def expected_gradient(inst: AuditInstance, config: ObjectiveConfig, group_size: 
     weights = group_logp.exp()
     mask = torch.ones(group_size, space.length, dtype=torch.float64)
     total = theta.new_zeros(())
-    for rows, weight in zip(groups, weights):
+    for rows, weight in zip(groups, weights, strict=True):
         old = sampler_token_logp[rows] if off_policy else None
         loss, _ = compute_loss(logp[rows], ref_logp[rows], old, inst.rewards[rows], mask, group_size, config)
         total = total + weight * loss
@@ -195,7 +192,7 @@ def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: 
     pg_errors: dict[str, list[float]] = {"on-policy": [], "off-policy": []}
     space = tabular.SequenceSpace(vocab, length)
     groups = space.groups(group_size)
-    bar = tqdm(total=len(seeds) * (len(configs) + 2), desc="gradient audit", disable=_no_bar(progress))
+    bar = progress_bar(len(seeds) * (len(configs) + 2), "gradient audit", progress)
     for seed in seeds:
         inst = AuditInstance.random(vocab, length, seed)
         targets = target_gradients(inst)
@@ -243,11 +240,6 @@ def _aggregate_row(key: tuple[str, str, str, str], results: list[dict[str, objec
         numbers[name] = max(float(r[name]) for r in results)
     return GradientRow(sampling, estimator, placement, ratio, verdict=verdicts.pop() if len(verdicts) == 1 else "mixed",
                        theory=theory, **numbers)
-
-
-def _no_bar(progress: bool | None) -> bool | None:
-    """tqdm's `disable`: None lets tqdm decide (no bar when stderr is not a terminal)."""
-    return None if progress is None else not progress
 
 
 def gradient_table_markdown(audit: GradientAudit) -> str:

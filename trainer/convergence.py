@@ -9,17 +9,14 @@ KL(pi || pi*) is recorded.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from trainer import kl, tabular
 from trainer.objective import PLACEMENTS, ObjectiveConfig, compute_loss
-
-log = logging.getLogger(__name__)
+from trainer.progress import progress_bar
 
 
 def on_policy_configs(beta: float, advantage: str) -> dict[str, ObjectiveConfig]:
@@ -61,8 +58,7 @@ def convergence_audit(vocab: int = 3, length: int = 2, group_size: int = 4, grou
     configs = on_policy_configs(beta, advantage)
     eval_steps = [s for s in range(steps + 1) if s % eval_every == 0 or s == steps]
     curves: dict[str, list[float]] = {}
-    bar = tqdm(total=len(configs) * steps, desc="convergence audit",
-               disable=None if progress is None else not progress)
+    bar = progress_bar(len(configs) * steps, "convergence audit", progress)
     for label, config in configs.items():
         theta = ref_logits.clone().requires_grad_(True)
         optimizer = torch.optim.Adam([theta], lr=lr)
@@ -102,7 +98,7 @@ def convergence_table_markdown(audit: ConvergenceAudit) -> str:
         f"{s['group_size']} per step, {s['steps']} steps, beta {s['beta']}, advantage {s['advantage']}, "
         f"seed {s['seed']}. Every policy starts at pi_ref, KL(pi_ref || pi*) = {s['start_kl_to_optimum']:.3g}.",
         "",
-        "| configuration | final KL(pi ll pi*) |".replace(" ll ", " || "),
+        "| configuration | final KL(pi || pi*) |",
         "|---|---:|",
     ]
     for label, value in sorted(audit.final.items(), key=lambda item: item[1]):

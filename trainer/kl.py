@@ -9,8 +9,9 @@ With the token log-ratio l = log pi_theta - log pi_ref and r = exp(-l) (see KL_T
 Only k3 can overflow (through exp(-l), which is also its gradient's size). Its exponent is clamped
 at a bound close to the largest finite exponent of the narrowest dtype involved (the computation's,
 or an input's, since the gradient flows back in the input dtype: e^10 for float16, e^87 for float32
-and bfloat16), so values and gradients are unchanged wherever exp(-l) is finite; a token beyond the bound keeps a finite value and only the gradient of its exp(-l)
-part (its gradient coefficient becomes 1, as for k1). `clamped` reports which tokens those are.
+and bfloat16), so values and gradients are unchanged wherever exp(-l) is finite. A token beyond
+the bound keeps a finite value and loses only the gradient of its exp(-l) part (its gradient
+coefficient becomes 1, as for k1). `clamped` reports which tokens those are.
 """
 
 from __future__ import annotations

@@ -222,4 +222,4 @@ def _stats(logp: Tensor, ref_logp: Tensor, rewards: Tensor, shaped: Tensor, adv:
         "response_length": maskf.sum(dim=-1).mean(),
     }
     numbers = torch.stack([v.to(maskf.dtype) for v in values.values()]).tolist()
-    return dict(zip(values, numbers))
+    return dict(zip(values, numbers, strict=True))
