@@ -1,4 +1,4 @@
-"""Command line of the trainer: `python -m trainer audit ...`."""
+"""Command line of the trainer: `python -m trainer audit|toy-model|sft|train ...`."""
 
 from __future__ import annotations
 
@@ -93,17 +93,106 @@ def _run_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _key_values(items: list[str], what: str) -> dict[str, object]:
+    import yaml
+
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{what} {item!r}: expected key=value")
+        pairs[key] = yaml.safe_load(value) if value else ""
+    return pairs
+
+
+def _toy_model_parser(sub: argparse._SubParsersAction) -> None:
+    from trainer.models import ToyModelSpec
+
+    p = sub.add_parser("toy-model", help="build the tiny character-level Llama (random weights)",
+                       description="Writes a character-level tokenizer and a small Llama to --out.")
+    p.add_argument("--out", type=Path, required=True, help="model directory to write")
+    for name, default in ToyModelSpec().__dict__.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"(default {default})")
+    p.set_defaults(func=_run_toy_model)
+
+
+def _run_toy_model(args: argparse.Namespace) -> int:
+    from trainer.models import ToyModelSpec, build_toy_model
+
+    spec = ToyModelSpec(**{name: getattr(args, name) for name in ToyModelSpec().__dict__})
+    build_toy_model(args.out, spec)
+    return 0
+
+
+def _sft_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sft", help="supervised warm-up on a task's answers",
+                       description="Fine-tunes a model on a task's prompts and answers so that RL starts "
+                       "with a reward above zero; writes an HF model directory to --out.")
+    p.add_argument("--model", required=True, help="model directory or hub id")
+    p.add_argument("--task", default="arithmetic", help="arithmetic | countdown | math (default arithmetic)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a task option (repeatable)")
+    p.add_argument("--out", type=Path, required=True, help="model directory to write")
+    p.add_argument("--steps", type=int, default=300, help="(default 300)")
+    p.add_argument("--batch-size", type=int, default=64, help="(default 64)")
+    p.add_argument("--lr", type=float, default=3e-3, help="(default 3e-3)")
+    p.add_argument("--seed", type=int, default=0, help="(default 0)")
+    p.add_argument("--chat-template", action="store_true", help="format prompts with the chat template")
+    p.set_defaults(func=_run_sft)
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    from trainer.sft import sft
+
+    report = sft(args.model, args.task, args.out, _key_values(args.option, "--option"), steps=args.steps,
+                 batch_size=args.batch_size, lr=args.lr, seed=args.seed, chat=args.chat_template)
+    print(json.dumps(report))
+    return 0
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="RL fine-tuning run (resumes from its newest checkpoint)",
+                       description="Runs the RL training described by --config in --out. Every config key "
+                       "can be overridden as section.key=value. Running the same command again resumes "
+                       "from the newest valid checkpoint; a finished run is left alone. Exit status 75 "
+                       "means: preempted by SIGTERM, checkpointed, run again to resume.")
+    p.add_argument("--config", type=Path, help="run config YAML (see the README for every key)")
+    p.add_argument("--out", type=Path, required=True, help="run directory")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from trainer import config as run_config
+    from trainer.loop import train
+
+    return train(run_config.load(args.config, args.overrides), args.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="klstudy's RL trainer")
     sub = parser.add_subparsers(dest="command", required=True)
     _audit_parser(sub)
+    _toy_model_parser(sub)
+    _sft_parser(sub)
+    _train_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _quiet_libraries()
     try:
         return args.func(args)
-    except ValueError as error:
+    except ValueError as error:  # every error a user can cause: bad config, missing model or data
         log.error("%s", error)
         return 2
+
+
+def _quiet_libraries() -> None:
+    """transformers' own progress bars and advisories would drown the run's output."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,277 @@
+"""Answer extraction and verification: the one scorer of training rewards and evaluation.
+
+`score(response, gold)` returns 1.0 when the response's final answer equals `gold` and 0.0
+otherwise, and never raises. Cheap cases (a multiple-choice letter, numbers) are decided here;
+anything else goes to math-verify in a DeadlinePool, so that no input, however hostile, can cost
+more than the verifier's timeout or crash the caller. `Verifier.counts` says how many calls timed
+out, failed, or were rejected before verification (over-long responses or answers).
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import logging
+import re
+import threading
+from collections import Counter
+from fractions import Fraction
+from typing import Iterable, Sequence
+
+from eval.workers import DeadlinePool
+
+log = logging.getLogger(__name__)
+
+MAX_RESPONSE_CHARS = 65_536   # longer responses are rejected unread (score 0)
+MAX_ANSWER_CHARS = 512        # longer extracted answers are rejected (score 0)
+LETTERS = "ABCDEFGHIJ"
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
+_FRAC = re.compile(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
+_THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
+
+
+def as_text(response: str | bytes) -> str:
+    """Responses arrive as str; bytes (possibly invalid UTF-8) are decoded with replacement."""
+    if isinstance(response, bytes):
+        return response.decode("utf-8", errors="replace")
+    return str(response)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete \\boxed{...} (or \\fbox{...}), braces balanced; None if none."""
+    for match in reversed(list(_BOXED.finditer(text))):
+        depth, start = 1, match.end()
+        for i in range(start, min(len(text), start + MAX_ANSWER_CHARS + 1)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i].strip()
+    return None
+
+
+def answer_phrase(text: str) -> str | None:
+    """What follows the last "the answer is" / "final answer:" on its line."""
+    matches = list(_ANSWER_IS.finditer(text))
+    if not matches:
+        return None
+    answer = matches[-1].group(1).strip().strip("$").strip()
+    return answer.rstrip(".").strip() or None
+
+
+def last_number(text: str) -> str | None:
+    matches = _NUMBER.findall(text)
+    return matches[-1].replace(",", "") if matches else None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a response: \\boxed{}, else "the answer is ...", else the last number.
+
+    A response that writes \\boxed is judged by its last complete \\boxed{} alone: an unclosed one
+    is no answer, not an invitation to fall back on stray numbers.
+    """
+    if _BOXED.search(text):
+        return last_boxed(text)
+    for extractor in (answer_phrase, last_number):
+        answer = extractor(text)
+        if answer:
+            return answer
+    return None
+
+
+def choice_letter(text: str, letters: str = LETTERS) -> str | None:
+    """The multiple-choice letter a response settles on."""
+    boxed = last_boxed(text)
+    if boxed:
+        m = re.fullmatch(rf"\(?\s*(?:\\text\{{)?\s*([{letters}])\s*\}}?\s*\)?", boxed.strip())
+        if m:
+            return m.group(1)
+    patterns = [
+        rf"(?:answer|choice|option)\s*(?:is|:)?\s*:?\s*\(?\s*([{letters}])\b",
+        rf"\(([{letters}])\)",
+        rf"^\s*\(?([{letters}])\)?\s*[.:]?\s*$",
+    ]
+    for pattern in patterns:
+        found = re.findall(pattern, text, flags=re.IGNORECASE | re.MULTILINE)
+        if found:
+            return found[-1].upper()
+    return None
+
+
+def _strip(s: str) -> str:
+    s = s.strip().strip("$").strip()
+    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\ ", "\\displaystyle"):
+        s = s.replace(token, "")
+    return re.sub(r"\s+", "", s).rstrip(".")
+
+
+def as_number(s: str) -> Fraction | None:
+    """An exact number for plain integers, decimals, 1,000-style integers, a/b and \\frac{a}{b}."""
+    s = _strip(s)
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    if len(s) > 64:
+        return None
+    if _PLAIN_NUMBER.fullmatch(s):
+        try:
+            return Fraction(s)
+        except (ValueError, ZeroDivisionError):
+            return None
+    m = _FRAC.fullmatch(s)
+    if m and int(m.group(3)) != 0:
+        return (-1 if m.group(1) else 1) * Fraction(int(m.group(2)), int(m.group(3)))
+    return None
+
+
+def math_equivalent(candidate: str, gold: str) -> bool:
+    """math-verify's verdict, with its own timeouts off (the caller bounds the time)."""
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    from math_verify import parse, verify
+
+    gold_parsed = parse(f"${gold}$", parsing_timeout=None)
+    candidate_parsed = parse(f"${candidate}$", parsing_timeout=None)
+    if not gold_parsed or not candidate_parsed:
+        return False
+    return bool(verify(gold_parsed, candidate_parsed, timeout_seconds=None))
+
+
+class Verifier:
+    """Scores responses against gold answers; every math-verify call is bounded by `timeout` s."""
+
+    def __init__(self, timeout: float = 5.0, workers: int = 2) -> None:
+        self.timeout = timeout
+        self.workers = workers
+        self.counts: Counter[str] = Counter()
+        self._pool: DeadlinePool | None = None
+        self._lock = threading.Lock()
+
+    def _fast(self, response: str | bytes, gold: str) -> float | str:
+        """A score decided without math-verify, or the candidate answer it must judge."""
+        self.counts["calls"] += 1
+        text = as_text(response)
+        if len(text) > MAX_RESPONSE_CHARS:
+            self.counts["rejected"] += 1
+            return 0.0
+        gold = gold.strip()
+        if len(gold) == 1 and gold.upper() in LETTERS:
+            return float(choice_letter(text) == gold.upper())
+        candidate = extract_answer(text)
+        if candidate is None:
+            return 0.0
+        if len(candidate) > MAX_ANSWER_CHARS:
+            self.counts["rejected"] += 1
+            return 0.0
+        if _strip(candidate) == _strip(gold):
+            return 1.0
+        gold_number, candidate_number = as_number(gold), as_number(candidate)
+        if gold_number is not None and candidate_number is not None:
+            return float(gold_number == candidate_number)
+        return candidate
+
+    def score_many(self, pairs: Iterable[tuple[str | bytes, str]]) -> list[float]:
+        """Scores for (response, gold) pairs; the slow ones run in parallel in the pool."""
+        decided = [self._fast(response, gold) for response, gold in pairs]
+        golds = [gold for _, gold in pairs] if isinstance(pairs, Sequence) else None
+        slow = [i for i, d in enumerate(decided) if isinstance(d, str)]
+        if slow:
+            if golds is None:
+                raise TypeError("score_many needs a sequence of pairs")
+            with self._lock:
+                if self._pool is None:
+                    self._pool = DeadlinePool("eval.verify:math_equivalent", workers=self.workers,
+                                             timeout=self.timeout)
+                outcomes = self._pool.map([(decided[i], golds[i].strip()) for i in slow])
+            for i, outcome in zip(slow, outcomes, strict=True):
+                if outcome.status != "ok":
+                    self.counts[outcome.status + "s"] += 1
+                    log.debug("verifier %s on answer %.80r: %s", outcome.status, decided[i], outcome.message)
+                decided[i] = 1.0 if outcome.status == "ok" and outcome.value else 0.0
+        return [float(d) for d in decided]
+
+    def score(self, response: str | bytes, gold: str) -> float:
+        return self.score_many([(response, gold)])[0]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+
+_default: Verifier | None = None
+
+
+def default_verifier() -> Verifier:
+    """The process-wide verifier behind `score` (its pool starts on first need)."""
+    global _default
+    if _default is None:
+        _default = Verifier()
+        atexit.register(_default.close)
+    return _default
+
+
+def score(response: str | bytes, gold: str) -> float:
+    """1.0 if the response's final answer equals `gold`, else 0.0; never raises, bounded in time."""
+    try:
+        return default_verifier().score(response, gold)
+    except Exception:  # noqa: BLE001 - a scorer that raises would take a training run down
+        log.exception("verifier failed; scoring 0")
+        return 0.0
+
+
+# --- countdown ---------------------------------------------------------------------------------
+
+_COUNTDOWN_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult,
+                    ast.Div, ast.USub, ast.UAdd)
+
+
+def countdown_expression(text: str) -> str | None:
+    """The expression a countdown response proposes: \\boxed{}, "the answer is", else its last line."""
+    text = as_text(text)
+    candidate = last_boxed(text) or answer_phrase(text)
+    if candidate is None:
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        candidate = lines[-1] if lines else None
+    if candidate is None or len(candidate) > 200:
+        return None
+    return candidate.split("=")[0].strip().replace("\\times", "*").replace("\\div", "/").replace("\\cdot", "*")
+
+
+def score_countdown(response: str | bytes, numbers: Sequence[int], target: int) -> float:
+    """1.0 if the response's expression uses each of `numbers` exactly once and equals `target`."""
+    expression = countdown_expression(response)
+    if not expression:
+        return 0.0
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return 0.0
+    nodes = list(ast.walk(tree))
+    if not all(isinstance(node, _COUNTDOWN_NODES) for node in nodes):
+        return 0.0
+    used = [node.value for node in nodes if isinstance(node, ast.Constant)]
+    if not all(type(v) is int for v in used) or Counter(used) != Counter(numbers):
+        return 0.0
+
+    def value(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Expression):
+            return value(node.body)
+        if isinstance(node, ast.Constant):
+            return Fraction(node.value)
+        if isinstance(node, ast.UnaryOp):
+            return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+        left, right = value(node.left), value(node.right)
+        if isinstance(node.op, ast.Add):
+            return left + right
+        if isinstance(node.op, ast.Sub):
+            return left - right
+        if isinstance(node.op, ast.Mult):
+            return left * right
+        return left / right
+
+    try:
+        return float(value(tree) == target)
+    except (ZeroDivisionError, RecursionError):
+        return 0.0

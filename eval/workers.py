@@ -1,0 +1,169 @@
+"""A pool of worker processes in which every call has a deadline.
+
+math-verify's own timeouts use signal.alarm, which works only in a main thread; sympy can also hang
+or recurse without bound on hostile input. Here each call runs in a separate worker process, and a
+worker still busy at its deadline is killed and replaced, so a call costs at most `timeout` seconds
+and can never take the caller down with it.
+
+Workers are plain `python -m eval.workers module:function` subprocesses talking length-prefixed
+pickle over their stdin/stdout. Unlike multiprocessing's spawn or forkserver, this never re-imports
+the host's __main__ (a notebook, stdin, another tool's CLI) and never forks the host's threads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+log = logging.getLogger(__name__)
+_HEADER = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of one call: status "ok" (with value), "timeout" or "error" (with message)."""
+
+    status: str
+    value: Any = None
+    message: str = ""
+
+
+def _write_frame(stream: BinaryIO, obj: object) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read_frame(stream: BinaryIO) -> object:
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError("worker closed its pipe")
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("worker closed its pipe mid-frame")
+    return pickle.loads(data)
+
+
+def _serve(target: str) -> None:
+    """Worker side: run `module:function` on every (index, args) frame until stdin closes."""
+    module, _, name = target.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # whatever fn prints must not corrupt the frames
+    while True:
+        try:
+            index, args = _read_frame(stdin)
+        except EOFError:
+            return
+        # plain tuples only: this module runs as __main__ here, so its classes would not unpickle
+        try:
+            reply = (index, "ok", fn(*args), "")
+        except BaseException as error:  # noqa: BLE001 - everything a hostile input can raise
+            reply = (index, "error", None, f"{type(error).__name__}: {str(error)[:200]}")
+        _write_frame(stdout, reply)
+
+
+class _Worker:
+    def __init__(self, target: str) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "eval.workers", target],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        self.task: int | None = None
+        self.deadline = 0.0
+
+    def send(self, index: int, args: tuple) -> None:
+        _write_frame(self.process.stdin, (index, args))
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)
+        for stream in (self.process.stdin, self.process.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+
+class DeadlinePool:
+    """Runs `module:function` on many argument tuples in `workers` processes, each within `timeout` s.
+
+    `target` names a module-level function ("eval.verify:math_equivalent"); its arguments and result
+    must pickle.
+    """
+
+    def __init__(self, target: str, workers: int = 2, timeout: float = 5.0) -> None:
+        if workers < 1 or timeout <= 0:
+            raise ValueError(f"need workers >= 1 and timeout > 0, got {workers} and {timeout}")
+        self.target = target
+        self.timeout = timeout
+        self._workers = [_Worker(target) for _ in range(workers)]
+
+    def map(self, calls: list[tuple]) -> list[Outcome]:
+        """One Outcome per argument tuple, in order. Never raises for what a call does."""
+        results: list[Outcome | None] = [None] * len(calls)
+        queue = deque(range(len(calls)))
+        while queue or any(w.task is not None for w in self._workers):
+            for worker in self._workers:
+                if worker.task is None and queue:
+                    index = queue.popleft()
+                    worker.task, worker.deadline = index, time.monotonic() + self.timeout
+                    try:
+                        worker.send(index, calls[index])
+                    except OSError:  # it died since its last call: replace it and run the call again
+                        self._replace(worker)
+                        queue.appendleft(index)
+            busy = [w for w in self._workers if w.task is not None]
+            if not busy:
+                continue
+            wait_for = max(0.0, min(w.deadline for w in busy) - time.monotonic())
+            readable, _, _ = select.select([w.process.stdout for w in busy], [], [], wait_for)
+            for worker in busy:
+                if worker.process.stdout in readable:
+                    try:
+                        index, status, value, message = _read_frame(worker.process.stdout)
+                        results[index] = Outcome(status, value, message)
+                        worker.task = None
+                    except Exception as error:  # noqa: BLE001 - it died (a crash in native code) or garbled
+                        results[worker.task] = Outcome("error", message=f"worker process failed: {error!r}")
+                        self._replace(worker)
+                elif time.monotonic() >= worker.deadline:
+                    results[worker.task] = Outcome("timeout", message=f"over {self.timeout:g} s")
+                    self._replace(worker)
+        return [r if r is not None else Outcome("error", message="lost") for r in results]
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self._workers[self._workers.index(worker)] = _Worker(self.target)
+
+    def close(self) -> None:
+        for worker in self._workers:
+            try:
+                worker.process.stdin.close()
+                worker.process.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            if worker.process.poll() is None:
+                worker.kill()
+        self._workers = []
+
+    def __enter__(self) -> "DeadlinePool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])

@@ -1,0 +1,246 @@
+"""The typed run configuration: YAML in, frozen dataclasses out, every error naming its key.
+
+A run config has sections model, task, objective, rollout, train, checkpoint and verifier. Every
+key can be overridden on the command line as section.key=value (the value is read as YAML).
+Validation happens here, before any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.objective import ObjectiveConfig
+from trainer.tasks import TASKS
+
+ENGINES = ("hf", "vllm")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+class ConfigError(ValueError):
+    """A bad run config; the message starts with the offending key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""                  # local directory or hub id
+    dtype: str = "float32"          # float32 | bfloat16 | float16 | auto
+    device: str = "cpu"             # cpu | cuda | cuda:N | auto
+    chat_template: bool = False     # format prompts with the tokenizer's chat template
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = "arithmetic"        # arithmetic | countdown | math
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "hf"              # hf | vllm
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    recompute_logprobs: bool = False  # behaviour log-probs from the trainer instead of the engine
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 4
+    lr: float = 1e-4
+    lr_schedule: str = "constant"   # after warm-up: constant | linear | cosine (to zero at the end)
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0          # max gradient norm; 0 = no clipping
+    minibatches: int = 1            # optimizer updates per epoch over a batch (whole groups each)
+    epochs: int = 1                 # passes over each batch
+    async_level: int = 0            # train step s on rollouts of the policy of step s - async_level
+    seed: int = 0
+    max_nonfinite_updates: int = 3  # stop after this many skipped (NaN/inf) updates in a row
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10                 # steps between checkpoints
+    keep: int = 2                   # newest checkpoints kept
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    timeout: float = 5.0            # seconds per math-verify call
+    workers: int = 2
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """`value` as `annotation` (the few types configs use), or a ConfigError naming `key`."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        if isinstance(value, str) and args and args[-1] is Ellipsis:
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            if args and args[-1] is Ellipsis:
+                return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
+            if len(value) == len(args):
+                return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    elif origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    name = getattr(annotation, "__name__", str(annotation))
+    raise ConfigError(f"{key}: expected {name}, got {value!r}")
+
+
+def _section(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{prefix}.{unknown[0]}: unknown key (known: {', '.join(known)})")
+    values = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in data.items()}
+    try:
+        return cls(**values)
+    except ValueError as error:  # ObjectiveConfig's own messages already name the field
+        raise ConfigError(str(error).replace("ObjectiveConfig.", "objective.")) from None
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    """A validated RunConfig from nested plain data."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(data).__name__}")
+    hints = typing.get_type_hints(RunConfig)
+    sections = [f.name for f in dataclasses.fields(RunConfig)]
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown section (known: {', '.join(sections)})")
+    config = RunConfig(**{name: _section(hints[name], data.get(name), name) for name in sections})
+    validate(config)
+    return config
+
+
+def validate(config: RunConfig) -> None:
+    """Cross-field checks that need no model or data."""
+    m, t, r, c, v = config.model, config.train, config.rollout, config.checkpoint, config.verifier
+    if not m.path:
+        raise ConfigError("model.path: required (a local model directory or a hub id)")
+    if config.task.name not in TASKS:
+        raise ConfigError(f"task.name: {config.task.name!r} is not one of {', '.join(TASKS)}")
+    if r.engine not in ENGINES:
+        raise ConfigError(f"rollout.engine: {r.engine!r} is not one of {', '.join(ENGINES)}")
+    if t.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"train.lr_schedule: {t.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+    positive = {"train.steps": t.steps, "train.prompts_per_step": t.prompts_per_step,
+                "train.group_size": t.group_size, "train.minibatches": t.minibatches, "train.epochs": t.epochs,
+                "train.max_nonfinite_updates": t.max_nonfinite_updates, "rollout.max_new_tokens": r.max_new_tokens,
+                "checkpoint.every": c.every, "checkpoint.keep": c.keep, "verifier.workers": v.workers}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    non_negative = {"train.warmup_steps": t.warmup_steps, "train.async_level": t.async_level,
+                    "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip}
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
+    if v.timeout <= 0:
+        raise ConfigError(f"verifier.timeout: must be > 0, got {v.timeout}")
+    needs_pairs = config.objective.advantage == "rloo" or (config.objective.advantage == "grpo"
+                                                             and config.objective.grpo_scale)
+    if needs_pairs and t.group_size < 2:
+        raise ConfigError(f"train.group_size: advantage {config.objective.advantage} needs group_size >= 2, "
+                          f"got {t.group_size}")
+    if t.prompts_per_step % t.minibatches:
+        raise ConfigError(f"train.minibatches: {t.minibatches} does not divide prompts_per_step "
+                          f"{t.prompts_per_step} (minibatches hold whole groups)")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+    if not r.temperature > 0:
+        raise ConfigError(f"rollout.temperature: must be > 0, got {r.temperature}")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`section.key=value` strings applied to nested data; values are parsed as YAML."""
+    data = _plain(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        value = yaml.safe_load(raw) if raw else ""
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = value
+    return data
+
+
+def load(path: Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run config (or start from the defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"--config: no such file {path}") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"--config: {path} is not valid YAML ({error})") from None
+    return from_dict(apply_overrides(data, list(overrides)))

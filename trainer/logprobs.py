@@ -1,0 +1,74 @@
+"""Per-token log-probabilities of sampled completions under a model, and the tensors they need.
+
+A batch is laid out as [left-padded prompt | right-padded completion], so every completion starts
+at the same column and only the completion's logits are computed (logits_to_keep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.rollout.base import Rollouts
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor        # [B, P + T]
+    attention_mask: torch.Tensor   # [B, P + T]
+    completion_ids: torch.Tensor   # [B, T]
+    completion_mask: torch.Tensor  # [B, T] float, 1 on sampled tokens
+    behaviour_logp: torch.Tensor   # [B, T] the engine's log-probs (0 on padding)
+    prompt_width: int
+
+    def to(self, device: torch.device) -> "PackedBatch":
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
+        return PackedBatch(**moved)
+
+    def rows(self, index: slice) -> "PackedBatch":
+        sliced = {k: v[index] if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
+        return PackedBatch(**sliced)
+
+    @property
+    def tokens(self) -> int:
+        """Non-padding tokens: what a forward pass over the batch processes."""
+        return int(self.attention_mask.sum())
+
+
+def pack(rollouts: Rollouts, pad_id: int) -> PackedBatch:
+    """Tensors of prompts (repeated n times) and completions; empty completions get one masked pad."""
+    prompts = [p for p in rollouts.prompt_ids for _ in range(rollouts.n)]
+    batch = len(prompts)
+    width = max(len(p) for p in prompts)
+    length = max(1, max(len(t) for t in rollouts.token_ids))
+    input_ids = torch.full((batch, width + length), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, width + length), dtype=torch.long)
+    completion_mask = torch.zeros((batch, length))
+    behaviour = torch.zeros((batch, length))
+    for i, (prompt, tokens, logp) in enumerate(zip(prompts, rollouts.token_ids, rollouts.logprobs, strict=True)):
+        input_ids[i, width - len(prompt):width] = torch.tensor(prompt)
+        attention[i, width - len(prompt):width + len(tokens)] = 1
+        if tokens:
+            input_ids[i, width:width + len(tokens)] = torch.tensor(tokens)
+            completion_mask[i, :len(tokens)] = 1
+            behaviour[i, :len(tokens)] = torch.tensor(logp)
+    return PackedBatch(input_ids, attention, input_ids[:, width:].clone(), completion_mask, behaviour, width)
+
+
+def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0,
+                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(token) of every completion token ([B, T], float32) and, optionally, the entropy of
+    each token's distribution (detached)."""
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    length = batch.completion_ids.shape[1]
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
+                logits_to_keep=length + 1, use_cache=False)
+    logits = out.logits[:, :length].float() / temperature  # position P-1+t predicts completion token t
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy

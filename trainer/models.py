@@ -1,0 +1,175 @@
+"""Load causal LMs and their tokenizers (local directory or hub id), and build the toy model.
+
+The toy model is a character-level tokenizer (every printable ASCII character is a token) and a
+small Llama, saved with save_pretrained so that AutoModelForCausalLM, AutoTokenizer and lm-eval's
+`hf` backend load it like any other model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import string
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TOY_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+TOY_CHARACTERS = "".join(c for c in string.printable if c not in "\x0b\x0c\r")
+# A plain chat template in characters the toy tokenizer knows, so chat formatting works on it too.
+TOY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class ModelNotFoundError(ValueError):
+    """A model that is neither a local directory nor loadable from the hub (or its cache)."""
+
+
+@dataclass(frozen=True)
+class ToyModelSpec:
+    """Sizes of the toy Llama."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    max_positions: int = 256
+    seed: int = 0
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def resolve(name_or_path: str) -> tuple[str, bool]:
+    """(what to pass to from_pretrained, whether to load from local files only).
+
+    A local directory must hold a config.json. Anything else must look like a hub id; offline
+    (HF_HUB_OFFLINE=1) it must already be in the local Hugging Face cache.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model directory {path} has no config.json: is it a saved HF model?")
+        return str(path), True
+    if not _HUB_ID.match(name_or_path) or name_or_path.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model path {name_or_path} does not exist")
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name_or_path, "config.json")
+    if isinstance(cached, str):
+        return name_or_path, True
+    if _offline():
+        raise ModelNotFoundError(
+            f"model {name_or_path!r} is neither a local directory nor in the Hugging Face cache, and "
+            "HF_HUB_OFFLINE is set: download it first (huggingface-cli download "
+            f"{name_or_path}) or pass a local path")
+    return name_or_path, False
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a model, with a pad token (the EOS token when it has none)."""
+    from transformers import AutoTokenizer
+
+    source, local_only = resolve(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+    except OSError as error:
+        raise ModelNotFoundError(f"could not load the tokenizer of {name_or_path!r}: {error}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
+    """A causal LM in `dtype` ("float32", "bfloat16", "float16" or "auto") on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"model.dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    source, local_only = resolve(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype="auto" if dtype == "auto" else DTYPES[dtype], local_files_only=local_only)
+    except OSError as error:
+        raise ModelNotFoundError(f"could not load model {name_or_path!r}: {error}") from None
+    return model.to(resolve_device(device))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"model.device: {device!r} asked for, but no CUDA GPU is available")
+    return torch.device(device)
+
+
+def format_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -> str:
+    """`text` as the model sees it: as is, or through the tokenizer's chat template."""
+    if not chat:
+        return text
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("model.chat_template is on, but the tokenizer has no chat template")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def build_toy_tokenizer():
+    """A character-level PreTrainedTokenizerFast: one token per printable ASCII character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate((*TOY_SPECIAL_TOKENS, *TOY_CHARACTERS))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False, model_max_length=10**6)
+    tokenizer.chat_template = TOY_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_toy_model(out_dir: Path, spec: ToyModelSpec = ToyModelSpec()) -> Path:
+    """Write a randomly initialised toy Llama and its tokenizer to `out_dir` (atomically)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_toy_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads, max_position_embeddings=spec.max_positions,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+    save_pretrained_atomic(out_dir, model, tokenizer, extra={"klstudy_toy_spec.json": asdict(spec)})
+    log.info("toy model (%d parameters) written to %s", sum(p.numel() for p in model.parameters()), out_dir)
+    return out_dir
+
+
+def save_pretrained_atomic(out_dir: Path, model, tokenizer, extra: dict[str, object] | None = None) -> Path:
+    """save_pretrained into a temporary sibling, then rename: `out_dir` is whole or absent."""
+    import json
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for name, content in (extra or {}).items():
+        (tmp / name).write_text(json.dumps(content, indent=2))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir

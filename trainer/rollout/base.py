@@ -1,0 +1,73 @@
+"""The rollout-engine interface: n samples per prompt, with behaviour log-probs and finish reasons."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. `n` completions per prompt; `stop` strings end a completion (not in its text)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"rollout: n and max_new_tokens must be >= 1, got {self.n} and {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"rollout.temperature: must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Rollouts:
+    """Completions of prompts, `n` per prompt in consecutive rows.
+
+    token_ids        sampled tokens of each completion (EOS included when it ended on EOS; a
+                     completion cut by a stop string keeps every sampled token)
+    logprobs         behaviour log-probability of each sampled token, under the distribution it was
+                     actually sampled from (temperature and top-p applied)
+    texts            decoded completions, special tokens dropped, cut before the first stop string
+    finish_reasons   "stop" (EOS or a stop string) or "length" (max_new_tokens reached)
+    """
+
+    prompt_ids: list[list[int]]
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    texts: list[str]
+    finish_reasons: list[str]
+    n: int
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def to_state(self) -> dict:
+        """A plain dict (for checkpoints)."""
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Rollouts":
+        return cls(**state)
+
+
+class RolloutEngine(Protocol):
+    """What the trainer needs from a generation backend."""
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 generator: torch.Generator) -> Rollouts:
+        """`params.n` completions of every prompt, grouped in consecutive rows, seeded by `generator`."""
+        ...
+
+    def sync_weights(self) -> None:
+        """Make the next generate() use the trainer's current weights."""
+        ...

@@ -1,0 +1,72 @@
+"""What every task provides: problems by index, prompts, SFT targets and rewards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from eval.verify import Verifier
+from trainer.models import format_prompt
+
+
+class TaskDataError(ValueError):
+    """Task data that is missing, empty or malformed; the message names the config key."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt: the question text, the gold answer the verifier checks, task-specific extras."""
+
+    question: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Task:
+    """A finite, indexable set of problems with a reward.
+
+    Subclasses set `name`, implement `__len__` and `problem(index)`, and may override `reward`
+    and `target`. Problems are addressed by index so that a run's data position is one integer.
+    """
+
+    name = "task"
+    instruction = ""  # appended to every question when it is rendered into a prompt
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def problem(self, index: int) -> Problem:
+        raise NotImplementedError
+
+    def prompt(self, problem: Problem, tokenizer, chat: bool) -> str:
+        text = problem.question + (self.instruction if self.instruction else "")
+        return format_prompt(tokenizer, text, chat)
+
+    def target(self, problem: Problem) -> str:
+        """The completion supervised warm-up teaches (without the EOS token)."""
+        return problem.answer
+
+    def reward(self, responses: Sequence[str], problems: Sequence[Problem], verifier: Verifier) -> list[float]:
+        return verifier.score_many([(response, p.answer) for response, p in zip(responses, problems, strict=True)])
+
+
+class DataOrder:
+    """Epoch-wise seeded permutations of a task's indices; the state is one integer position."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        if size < 1:
+            raise TaskDataError("task: the data set is empty")
+        self.size, self.seed = size, seed
+        self._epoch, self._perm = -1, np.arange(size)
+
+    def index(self, position: int) -> int:
+        epoch, offset = divmod(position, self.size)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+        return int(self._perm[offset])
+
+    def take(self, position: int, count: int) -> list[int]:
+        return [self.index(position + i) for i in range(count)]
