@@ -57,8 +57,8 @@ def answer_phrase(text: str) -> str | None:
     matches = list(_ANSWER_IS.finditer(text))
     if not matches:
         return None
-    answer = matches[-1].group(1).strip().strip("$").strip()
-    return answer.rstrip(".").strip() or None
+    answer = matches[-1].group(1).strip().rstrip(".").strip().strip("$").strip().rstrip(".").strip()
+    return answer or None
 
 
 def last_number(text: str) -> str | None:

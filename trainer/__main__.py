@@ -178,11 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
+    from trainer.loop import TrainingError
+
     try:
         return args.func(args)
     except ValueError as error:  # every error a user can cause: bad config, missing model or data
         log.error("%s", error)
         return 2
+    except TrainingError as error:
+        log.error("%s", error)
+        return 1
 
 
 def _quiet_libraries() -> None:

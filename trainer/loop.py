@@ -244,8 +244,8 @@ class Run:
                                     "(train.max_nonfinite_updates): lower train.lr or check the model's dtype")
         else:
             self.optimizer.step()
+            self.scheduler.step()  # the schedule counts updates made, not updates skipped
             self.nonfinite_in_row = 0
-        self.scheduler.step()
         stats.update(loss=float(loss.detach()), grad_norm=grad_norm, skipped_updates=float(skipped))
         if entropy is not None:
             mask = batch.completion_mask

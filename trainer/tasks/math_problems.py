@@ -22,9 +22,12 @@ def read_records(path: str, split: str = "train", subset: str | None = None) -> 
             import pandas as pd
 
             try:
-                return pd.read_parquet(file).to_dict("records")
+                frame = pd.read_parquet(file)
             except Exception as error:  # noqa: BLE001 - pyarrow raises many kinds
                 raise TaskDataError(f"task.options.path: {file} is not a readable parquet file ({error})") from None
+            # a column missing from some records reads as NaN: make it absent, not the answer "nan"
+            return [{k: v for k, v in record.items() if not (isinstance(v, float) and v != v)}
+                    for record in frame.to_dict("records")]
         if file.suffix == ".json":
             try:
                 data = json.loads(file.read_text())

@@ -1,0 +1,23 @@
+"""Shared fixtures: a toy model and a warmed-up toy model, built once per test session."""
+
+import pytest
+
+from trainer.models import ToyModelSpec, build_toy_model
+
+
+@pytest.fixture(scope="session")
+def toy_model(tmp_path_factory):
+    """A randomly initialised character-level toy Llama (a directory)."""
+    return build_toy_model(tmp_path_factory.mktemp("models") / "toy", ToyModelSpec())
+
+
+@pytest.fixture(scope="session")
+def warm_model(toy_model, tmp_path_factory):
+    """The toy model after a short supervised warm-up on single-digit arithmetic."""
+    from trainer.sft import sft
+
+    out = tmp_path_factory.mktemp("models") / "toy-sft"
+    report = sft(str(toy_model), "arithmetic", out, {"max_operand": 9}, steps=150, batch_size=64,
+                 eval_problems=64)
+    assert report["sampled_reward"] > 0.2, report  # RL starts with a reward clearly above zero
+    return out

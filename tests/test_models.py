@@ -1,0 +1,73 @@
+"""Loading models (local directory, offline hub cache) and the toy model."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainer.models import ModelNotFoundError, format_prompt, load_model, load_tokenizer, resolve
+
+
+def test_toy_model_loads_with_the_auto_classes(toy_model):
+    tokenizer = AutoTokenizer.from_pretrained(toy_model)
+    model = AutoModelForCausalLM.from_pretrained(toy_model)
+    text = "Q: 12 + 7 = ?\n  A: 19"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)  # one token per character
+    assert tokenizer.decode(ids) == text  # spaces and newlines survive
+    assert model.config.vocab_size == len(tokenizer)
+    assert model(torch.tensor([ids])).logits.shape == (1, len(ids), len(tokenizer))
+
+
+def test_chat_template_on_and_off(toy_model):
+    tokenizer = load_tokenizer(str(toy_model))
+    assert format_prompt(tokenizer, "1+1=", chat=False) == "1+1="
+    chat = format_prompt(tokenizer, "1+1=", chat=True)
+    assert chat == "<|user|>\n1+1=\n<|assistant|>\n"
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="model.chat_template is on, but the tokenizer has no chat template"):
+        format_prompt(tokenizer, "1+1=", chat=True)
+
+
+def test_dtype_and_device_options(toy_model):
+    model = load_model(str(toy_model), dtype="bfloat16", device="cpu")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="model.dtype: 'float8'"):
+        load_model(str(toy_model), dtype="float8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU is available"):
+            load_model(str(toy_model), device="cuda")
+
+
+def test_missing_models_give_one_clear_error(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve(str(tmp_path / "nowhere" / "model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+        resolve(str(tmp_path / "empty"))
+
+
+def _run_offline(code: str, cache) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(cache.parent / "hf_home"))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_hub_ids_load_offline_from_the_local_cache(toy_model, tmp_path):
+    """A hub id resolves from the Hugging Face cache layout with HF_HUB_OFFLINE=1; a missing one fails."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--klstudy--toy" / "snapshots" / ("0" * 40)
+    shutil.copytree(toy_model, snapshot)
+    (cache / "models--klstudy--toy" / "refs").mkdir(parents=True)
+    (cache / "models--klstudy--toy" / "refs" / "main").write_text("0" * 40)
+    ok = _run_offline("from trainer.models import load_model, load_tokenizer\n"
+                      "m = load_model('klstudy/toy'); t = load_tokenizer('klstudy/toy')\n"
+                      "print(type(m).__name__, len(t))", cache)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.split() == ["LlamaForCausalLM", str(len(load_tokenizer(str(toy_model))))]
+    missing = _run_offline("from trainer.models import resolve\nresolve('klstudy/absent')", cache)
+    assert missing.returncode != 0
+    assert "neither a local directory nor in the Hugging Face cache, and HF_HUB_OFFLINE is set" in missing.stderr

@@ -1,0 +1,127 @@
+"""The contract every rollout engine must pass (hf here; vllm runs it where vLLM runs)."""
+
+import math
+
+import pytest
+import torch
+
+from trainer.logprobs import completion_logprobs, pack
+from trainer.models import load_model, load_tokenizer
+from trainer.rollout.base import Rollouts, SamplingParams
+
+
+def _hf(model, tokenizer):
+    from trainer.rollout.hf import HFEngine
+
+    return HFEngine(model, tokenizer)
+
+
+def _vllm(model, tokenizer):
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a GPU")
+    from trainer.rollout import make_engine
+
+    return make_engine("vllm", model, tokenizer)
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def setup(request, toy_model):
+    tokenizer = load_tokenizer(str(toy_model))
+    model = load_model(str(toy_model))
+    engine = {"hf": _hf, "vllm": _vllm}[request.param](model, tokenizer)
+    texts = ["12+7=", "3-1=", "a much longer prompt: 100+250="]  # different lengths: padding matters
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return engine, model, tokenizer, prompts
+
+
+def _generate(setup, seed=0, **params):
+    engine, _, _, prompts = setup
+    return engine.generate(prompts, SamplingParams(**params), torch.Generator().manual_seed(seed))
+
+
+def test_n_completions_per_prompt_in_consecutive_rows(setup):
+    _, _, _, prompts = setup
+    r = _generate(setup, n=4, max_new_tokens=6)
+    assert len(r) == 12 and r.n == 4 and r.prompt_ids == prompts
+    for tokens, logprobs, reason in zip(r.token_ids, r.logprobs, r.finish_reasons, strict=True):
+        assert len(tokens) == len(logprobs) >= 1
+        assert all(math.isfinite(x) and x <= 0 for x in logprobs)
+        assert reason in ("stop", "length")
+        assert reason == "stop" or len(tokens) == 6
+
+
+def test_behaviour_logprobs_are_the_trainers_at_temperature_one(setup):
+    _, model, tokenizer, _ = setup
+    r = _generate(setup, n=3, max_new_tokens=8)
+    batch = pack(r, tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer_logp, _ = completion_logprobs(model, batch)
+    diff = ((trainer_logp - batch.behaviour_logp) * batch.completion_mask).abs().max()
+    assert diff < 1e-4
+
+
+def test_behaviour_logprobs_follow_temperature_and_top_p(setup):
+    _, model, tokenizer, _ = setup
+    hot = _generate(setup, n=2, max_new_tokens=8, temperature=0.7)
+    batch = pack(hot, tokenizer.pad_token_id)
+    with torch.no_grad():
+        at_temperature, _ = completion_logprobs(model, batch, temperature=0.7)
+    assert ((at_temperature - batch.behaviour_logp) * batch.completion_mask).abs().max() < 1e-4
+    nucleus = _generate(setup, n=2, max_new_tokens=8, top_p=0.3)
+    batch = pack(nucleus, tokenizer.pad_token_id)
+    with torch.no_grad():
+        full, _ = completion_logprobs(model, batch)
+    mask = batch.completion_mask.bool()
+    # sampled from the renormalised nucleus: every kept token is at least as likely there
+    assert (batch.behaviour_logp[mask] >= full[mask] - 1e-5).all()
+    assert (batch.behaviour_logp[mask] > full[mask] + 1e-3).any()
+
+
+def test_stop_strings_end_completions_and_are_cut_from_the_text(setup):
+    _, _, tokenizer, _ = setup
+    r = _generate(setup, n=12, max_new_tokens=40, stop=("a", "e"))
+    stopped = 0
+    for tokens, text, reason in zip(r.token_ids, r.texts, r.finish_reasons, strict=True):
+        raw = tokenizer.decode(tokens, skip_special_tokens=True)
+        assert "a" not in text and "e" not in text
+        assert raw.startswith(text)
+        if reason == "stop" and tokens[-1] != tokenizer.eos_token_id:
+            assert raw.endswith(("a", "e"))  # it stopped on the token that completed a stop string
+            stopped += 1
+        elif reason == "length":
+            assert len(tokens) == 40 and text == raw
+    assert stopped > 0
+
+
+def test_eos_is_kept_in_the_tokens_and_dropped_from_the_text(setup, warm_model):
+    engine_cls = type(setup[0])
+    tokenizer = load_tokenizer(str(warm_model))
+    engine = engine_cls(load_model(str(warm_model)), tokenizer)
+    prompt = tokenizer("3+4=", add_special_tokens=False)["input_ids"]
+    r = engine.generate([prompt], SamplingParams(n=8, max_new_tokens=6), torch.Generator().manual_seed(0))
+    ended = [t for t, reason in zip(r.token_ids, r.finish_reasons, strict=True) if reason == "stop"]
+    assert ended and all(t[-1] == tokenizer.eos_token_id for t in ended)
+    assert all(tokenizer.eos_token not in text for text in r.texts)
+
+
+def test_the_same_generator_seed_gives_the_same_rollouts(setup):
+    a, b = _generate(setup, seed=5, n=2, max_new_tokens=8), _generate(setup, seed=5, n=2, max_new_tokens=8)
+    c = _generate(setup, seed=6, n=2, max_new_tokens=8)
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert a.token_ids != c.token_ids
+
+
+def test_rollouts_round_trip_through_a_plain_state(setup):
+    r = _generate(setup, n=2, max_new_tokens=4)
+    assert Rollouts.from_state(r.to_state()) == r
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"n": 0}, "n and max_new_tokens must be >= 1"),
+    ({"temperature": 0.0}, "rollout.temperature"),
+    ({"top_p": 1.5}, "rollout.top_p"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

@@ -1,0 +1,243 @@
+"""End-to-end training: a toy run, resume after SIGKILL, SIGTERM, async rollouts, guards, bad configs."""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer import checkpoint
+from trainer import config as run_config
+from trainer.loop import COMPLETE, EXIT_PREEMPTED, TIMING_KEYS, Run, TrainingError
+
+
+def _overrides(model, **extra):
+    values = {
+        "model.path": str(model),
+        "task.options": "{max_operand: 9}",
+        "rollout.max_new_tokens": 4,
+        "rollout.stop": '["\\n"]',
+        "objective.estimator": "k3",
+        "objective.placement": "reward+loss",
+        "objective.beta": 0.05,
+        "train.steps": 20,
+        "train.prompts_per_step": 4,
+        "train.group_size": 4,
+        "train.lr": "3e-4",
+        "checkpoint.every": 5,
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def train_cli(out, model, timeout=600, **extra):
+    return subprocess.run([sys.executable, "-m", "trainer", "train", "--out", str(out), *_overrides(model, **extra)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(out, model, **extra):
+    return subprocess.Popen([sys.executable, "-m", "trainer", "train", "--out", str(out), *_overrides(model, **extra)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(out):
+    return load_file(Path(out) / "final" / "model.safetensors")
+
+
+def wait_for_lines(out, count, process, timeout=300):
+    deadline = time.monotonic() + timeout
+    path = Path(out) / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        assert process.poll() is None, process.stderr.read()
+        time.sleep(0.05)
+    raise AssertionError(f"no {count} metrics lines within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def reference_run(warm_model, tmp_path_factory):
+    """An uninterrupted 20-step run, checkpointing every step (the comparison for resumed runs)."""
+    out = tmp_path_factory.mktemp("runs") / "reference"
+    result = train_cli(out, warm_model, **{"checkpoint.every": 1})
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_toy_run_end_to_end(reference_run, warm_model):
+    out = reference_run
+    lines = metrics(out)
+    assert [m["step"] for m in lines] == list(range(20))
+    for key in ("reward_mean", "pass_rate", "kl_k1", "kl_k3", "entropy", "response_length", "clip_frac",
+                "grad_norm", "tokens_per_s", "step_time", "verifier_timeouts", "policy_step"):
+        assert all(key in m and m[key] == m[key] for m in lines), key  # present and not NaN
+    assert lines[0]["kl_k3"] == 0.0 and lines[-1]["kl_k3"] > 0  # starts at the reference, then moves
+    assert (out / COMPLETE).exists() and (out / "config.yaml").exists()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoModelForCausalLM.from_pretrained(out / "final") and AutoTokenizer.from_pretrained(out / "final")
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert kept == ["step_19", "step_20"]  # checkpoint.keep = 2
+    before = (out / "metrics.jsonl").read_text()
+    again = train_cli(out, warm_model, **{"checkpoint.every": 1})
+    assert again.returncode == 0 and "already complete" in again.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def _comparable(lines):
+    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in lines]
+
+
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(reference_run, warm_model, tmp_path):
+    out = tmp_path / "killed"
+    kill_after = random.Random(os.getpid()).randint(3, 16)
+    process = start_cli(out, warm_model, **{"checkpoint.every": 1})
+    wait_for_lines(out, kill_after, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    assert not (out / COMPLETE).exists()
+    resumed = train_cli(out, warm_model, **{"checkpoint.every": 1})
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from checkpoint" in resumed.stderr
+    assert _comparable(metrics(out)) == _comparable(metrics(reference_run))
+    a, b = weights(out), weights(reference_run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_checkpoints_and_exits_with_the_preempted_status(warm_model, tmp_path):
+    out = tmp_path / "preempted"
+    process = start_cli(out, warm_model, **{"checkpoint.every": 100, "train.steps": 200})
+    wait_for_lines(out, 3, process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == EXIT_PREEMPTED
+    steps = len(metrics(out))
+    path = out / "checkpoints" / f"step_{steps}"
+    assert checkpoint.verify(path) is None  # complete and consistent with its manifest
+    result = train_cli(out, warm_model, **{"checkpoint.every": 100, "train.steps": steps + 2})
+    assert result.returncode != 0 and "different config (train.steps)" in result.stderr  # runs are never mixed
+
+
+def test_a_partial_or_corrupt_checkpoint_is_skipped(warm_model, tmp_path):
+    out = tmp_path / "corrupt"
+    process = start_cli(out, warm_model, **{"checkpoint.every": 2, "checkpoint.keep": 5})
+    wait_for_lines(out, 7, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    newest = max((p for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")),
+                 key=lambda p: int(p.name.split("_")[1]))
+    with (newest / "trainer_state.pt").open("r+b") as handle:
+        handle.truncate(100)
+    result = train_cli(out, warm_model, **{"checkpoint.every": 2, "checkpoint.keep": 5})
+    assert result.returncode == 0, result.stderr
+    assert f"skipping checkpoint {newest}" in result.stderr
+    assert [m["step"] for m in metrics(out)] == list(range(20))  # no step lost or repeated
+
+
+def _weights_hash(model):
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_async_level_trains_step_s_on_rollouts_of_the_policy_of_step_s_minus_k(warm_model, tmp_path, level):
+    config = run_config.load(None, _overrides(warm_model, **{"train.async_level": level, "train.steps": 6}))
+    run = Run(config, tmp_path / f"async{level}")
+    generated_with, trained_on, start_of = {}, {}, {}
+    generate = run._generate
+
+    def recording_generate():
+        entry = generate()
+        generated_with[id(entry.rollouts)] = _weights_hash(run.policy)
+        return entry
+
+    run._generate = recording_generate
+    for step in range(6):
+        start_of[step] = _weights_hash(run.policy)
+        head = run.pending[0] if run.pending else None
+        metrics_line = run.run_step()
+        entry_hash = generated_with[id(head.rollouts)] if head is not None else None
+        trained_on[step] = (metrics_line["policy_step"], entry_hash)
+    for step in range(6):
+        policy_step, entry_hash = trained_on[step]
+        assert policy_step == max(0, step - level)
+        if entry_hash is not None:
+            assert entry_hash == start_of[policy_step]
+    assert len({start_of[s] for s in range(6)}) == 6  # the policy really changed every step
+
+
+def test_non_finite_updates_are_skipped_then_stop_the_run(warm_model, tmp_path, monkeypatch):
+    import trainer.loop as loop
+
+    config = run_config.load(None, _overrides(warm_model, **{"train.max_nonfinite_updates": 2}))
+    run = Run(config, tmp_path / "nan")
+    real = loop.compute_loss
+    monkeypatch.setattr(loop, "compute_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
+    before = _weights_hash(run.policy)
+    line = run.run_step()
+    assert line["skipped_updates"] == 1 and _weights_hash(run.policy) == before
+    with pytest.raises(TrainingError, match="2 non-finite updates in a row at step 1"):
+        run.run_step()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("objective.estimator=k4", "objective.estimator: 'k4' is not one of k1, k2, k3"),
+    ("objective.placement=everywhere", "objective.placement: 'everywhere' is not one of"),
+    ("objective.advantage=ppo", "objective.advantage: 'ppo' is not one of"),
+    ("objective.beta=-0.1", "objective.beta: must be a finite number >= 0"),
+    ("train.group_size=1", "train.group_size: advantage rloo needs group_size >= 2"),
+    ("model.path=/no/such/model", "model.path: model path /no/such/model does not exist"),
+    ("train.lerning_rate=0.1", "train.lerning_rate: unknown key"),
+    ("task.name=math", "task.options: "),
+])
+def test_bad_configs_fail_before_any_model_loads_with_one_clear_message(warm_model, tmp_path, override, message):
+    result = subprocess.run([sys.executable, "-m", "trainer", "train", "--out", str(tmp_path / "bad"),
+                             *_overrides(warm_model), override], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_empty_data_set_is_a_clear_error(warm_model, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = subprocess.run([sys.executable, "-m", "trainer", "train", "--out", str(tmp_path / "run"),
+                             *_overrides(warm_model), "task.name=math", f"task.options={{path: {empty}}}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "has no records" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_config_file_with_overrides_and_yaml_floats(tmp_path, warm_model):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: {{path: {warm_model}}}\ntrain: {{lr: 1e-4, steps: 3}}\nobjective: {{beta: 1e-3}}\n")
+    config = run_config.load(path, ["train.steps=5"])
+    assert config.train.lr == 1e-4 and config.objective.beta == 1e-3 and config.train.steps == 5
+    with pytest.raises(run_config.ConfigError, match="--config: no such file"):
+        run_config.load(tmp_path / "absent.yaml")
+
+
+@pytest.mark.slow
+def test_reward_rises_on_arithmetic(warm_model, tmp_path):
+    """A longer run: 64 prompts x 8 samples per step (RL on the toy model needs large batches)."""
+    out = tmp_path / "long"
+    result = train_cli(out, warm_model, timeout=1200, **{
+        "train.steps": 80, "train.prompts_per_step": 64, "train.group_size": 8, "objective.estimator": "k1",
+        "objective.placement": "reward", "objective.beta": 0.01, "checkpoint.every": 40})
+    assert result.returncode == 0, result.stderr
+    rewards = [m["reward_mean"] for m in metrics(out)]
+    first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
+    assert last > first + 0.03, (first, last)

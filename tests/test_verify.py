@@ -1,0 +1,163 @@
+"""Answer extraction, equivalence, countdown scoring, and the hostile-output corpus."""
+
+import time
+
+import pytest
+
+from eval.verify import (Verifier, as_number, choice_letter, extract_answer, last_boxed, score, score_countdown)
+from eval.workers import DeadlinePool
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    v = Verifier(timeout=5.0)
+    yield v
+    v.close()
+
+
+@pytest.mark.parametrize("text,answer", [
+    ("so \\boxed{\\frac{1}{2}} it is", "\\frac{1}{2}"),
+    ("\\boxed{1} then \\boxed{\\{2, 3\\}}", "\\{2, 3\\}"),
+    ("The answer is: $42$.", "42"),
+    ("Final answer: x = 7", "x = 7"),
+    ("we get 3, then 1,234 apples", "1234"),
+    ("\\boxed{2} and then \\boxed{3", "2"),        # the last *complete* box
+    ("\\boxed{3 and more \\boxed{", None),          # a box that never closes is no answer
+    ("no numbers here", None),
+])
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+@pytest.mark.parametrize("response,gold", [
+    ("\\boxed{0.5}", "\\frac{1}{2}"),               # fractions against decimals
+    ("\\boxed{\\dfrac{3}{4}}", "\\frac34"),
+    ("\\boxed{-\\frac{1}{2}}", "-0.5"),
+    ("\\boxed{\\{3, 1, 2\\}}", "\\{1,2,3\\}"),      # sets
+    ("\\boxed{(0, 1]}", "(0,1]"),                    # intervals
+    ("\\boxed{50\\%}", "50"),                        # percentages
+    ("\\boxed{5 \\text{ cm}}", "5"),                  # units
+    ("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}"),  # LaTeX variants
+    ("\\boxed{x^2+2x+1}", "(x+1)^2"),                # equivalent expressions
+    ("The answer is 1,000", "1000"),
+    ("The answer is (C)", "C"),                      # multiple choice
+    ("I pick \\boxed{B}", "B"),
+])
+def test_equivalent_answers_score_one(verifier, response, gold):
+    assert verifier.score(response, gold) == 1.0
+
+
+@pytest.mark.parametrize("response,gold", [
+    ("\\boxed{0.3333}", "\\frac{1}{3}"),             # close is not equal
+    ("\\boxed{(0, 1)}", "(0,1]"),                     # open vs half-open
+    ("\\boxed{\\{1, 2\\}}", "\\{1,2,3\\}"),
+    ("\\boxed{x^2+1}", "(x+1)^2"),
+    ("\\boxed{2\\pi}", "6.28"),
+    ("\\boxed{-3}", "3"),
+    ("The answer is (B)", "C"),
+    ("", "3"),
+])
+def test_wrong_answers_stay_wrong(verifier, response, gold):
+    assert verifier.score(response, gold) == 0.0
+
+
+def test_numbers_are_decided_exactly_without_math_verify():
+    assert as_number("\\frac{6}{8}") == as_number("0.75") == as_number("3/4")
+    assert as_number("-\\frac{1}{2}") == as_number("-.5")
+    assert as_number("1,000") == 1000 and as_number("x") is None and as_number("1/0") is None
+    v = Verifier()
+    assert v.score("so it is 12", "12.0") == 1.0 and v._pool is None  # no worker was needed
+
+
+def test_choice_letter_patterns():
+    assert choice_letter("Let me think... the answer is (D).") == "D"
+    assert choice_letter("\\boxed{\\text{A}}") == "A"
+    assert choice_letter("B") == "B"
+    assert choice_letter("nothing chosen") is None
+
+
+def test_score_never_raises_and_takes_bytes():
+    assert score(b"\xff\xfe \\boxed{7}", "7") == 1.0  # invalid UTF-8 is decoded with replacement
+    assert score(None, "7") == 0.0  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("response,numbers,target,expected", [
+    ("3*5+7", [3, 5, 7], 22, 1.0),
+    ("(3 + 5) * 7 = 56", [3, 5, 7], 56, 1.0),
+    ("The answer is \\boxed{7 \\times 5 - 3}", [3, 5, 7], 32, 1.0),
+    ("21/7*5", [5, 7, 21], 15, 1.0),
+    ("3*5+7", [3, 5, 7], 23, 0.0),       # wrong value
+    ("3*5", [3, 5, 7], 15, 0.0),         # a number left out
+    ("3*5+7+7", [3, 5, 7], 29, 0.0),     # a number used twice
+    ("3**5", [3, 5], 243, 0.0),          # only + - * /
+    ("__import__('os').system('x')", [1], 1, 0.0),
+    ("7/(5-5)", [7, 5, 5], 0, 0.0),      # division by zero
+])
+def test_countdown_scoring(response, numbers, target, expected):
+    assert score_countdown(response, numbers, target) == expected
+
+
+HOSTILE = {
+    "100 kB of digits": "7" * 100_000,
+    "50 kB number": "the answer is " + "9" * 50_000,
+    "deeply nested braces": "\\boxed{" + "{" * 20_000 + "1" + "}" * 20_000 + "}",
+    "huge exponent": "\\boxed{10^{10^{10^{10^{10}}}}}",
+    "factorial tower": "\\boxed{((((9!)!)!)!)}",
+    "invalid utf-8": b"\xff\xfe\xfd \\boxed{\xc3\x28}",
+    "never-ending LaTeX": "\\boxed{" + "\\frac{1}{" * 30_000,
+    "unbalanced sqrt": "The answer is \\sqrt{\\sqrt{\\sqrt{" * 1000,
+    "null bytes": "\\boxed{\x00\x00\x00}",
+}
+
+
+def test_hostile_outputs_score_zero_within_the_bound_and_are_counted():
+    verifier = Verifier(timeout=2.0, workers=2)
+    try:
+        start = time.monotonic()
+        scores = verifier.score_many([(response, "3") for response in HOSTILE.values()])
+        elapsed = time.monotonic() - start
+    finally:
+        verifier.close()
+    assert scores == [0.0] * len(HOSTILE)
+    # two workers, each call at most 2 s, plus worker start-up: far below one call per second each
+    assert elapsed < 2.0 * len(HOSTILE) / 2 + 20
+    counts = verifier.counts
+    assert counts["rejected"] >= 1  # the over-long response and answer
+    assert counts["timeouts"] + counts["errors"] >= 1  # the exponent tower cannot be evaluated in time
+    assert counts["calls"] == len(HOSTILE)
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def _crash():
+    import os
+
+    os._exit(3)
+
+
+def _raise():
+    raise RecursionError("deep")
+
+
+def test_deadline_pool_kills_hung_workers_and_survives_crashes():
+    with DeadlinePool("tests.test_verify:_sleep", workers=2, timeout=1.0) as pool:
+        start = time.monotonic()
+        outcomes = pool.map([(0.01,), (30,), (0.02,), (30,), (0.01,)])
+        assert time.monotonic() - start < 10
+        assert [o.status for o in outcomes] == ["ok", "timeout", "ok", "timeout", "ok"]
+        assert outcomes[0].value == 0.01
+        assert [o.status for o in pool.map([(0.0,)] * 4)] == ["ok"] * 4  # replaced workers work
+    with DeadlinePool("tests.test_verify:_crash", workers=1, timeout=5.0) as pool:
+        assert [o.status for o in pool.map([(), ()])] == ["error", "error"]
+    with DeadlinePool("tests.test_verify:_raise", workers=1, timeout=5.0) as pool:
+        outcome = pool.map([()])[0]
+        assert outcome.status == "error" and "RecursionError" in outcome.message
+
+
+def test_last_boxed_is_linear_on_long_inputs():
+    start = time.monotonic()
+    assert last_boxed("\\boxed{" * 20_000) is None
+    assert time.monotonic() - start < 5
