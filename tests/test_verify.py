@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from eval.verify import (Verifier, as_number, choice_letter, extract_answer, last_boxed, score, score_countdown)
+from eval.verify import Verifier, as_number, choice_letter, extract_answer, last_boxed, score, score_countdown
 from eval.workers import DeadlinePool
 
 
