@@ -241,3 +241,25 @@ def test_reward_rises_on_arithmetic(warm_model, tmp_path):
     rewards = [m["reward_mean"] for m in metrics(out)]
     first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
     assert last > first + 0.03, (first, last)
+
+
+def test_minibatches_and_epochs_make_several_off_policy_updates_per_batch(warm_model, tmp_path, monkeypatch):
+    import trainer.loop as loop
+
+    config = run_config.load(None, _overrides(warm_model, **{
+        "train.minibatches": 2, "train.epochs": 2, "objective.clip_eps": 0.2, "rollout.recompute_logprobs": "true"}))
+    run = Run(config, tmp_path / "ppo")
+    seen = []
+    real = loop.compute_loss
+
+    def recording(logp, ref_logp, old_logp, rewards, mask, group_size, objective):
+        seen.append((logp.shape[0], old_logp is not None, float(((logp.detach() - old_logp).abs() * mask).max())))
+        return real(logp, ref_logp, old_logp, rewards, mask, group_size, objective)
+
+    monkeypatch.setattr(loop, "compute_loss", recording)
+    line = run.run_step()
+    assert [rows for rows, _, _ in seen] == [8, 8, 8, 8]  # 4 prompts x 4 samples, in 2 minibatches, twice
+    assert all(has_old for _, has_old, _ in seen)  # the behaviour log-probs feed the importance ratio
+    assert seen[0][2] < 1e-4  # recomputed by the trainer: the first update starts at ratio 1
+    assert seen[2][2] > 1e-6  # after two updates the policy has moved: a real off-policy ratio
+    assert 0.0 <= line["clip_frac"] <= 1.0

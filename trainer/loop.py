@@ -75,6 +75,16 @@ def _schedule(config: RunConfig, total_updates: int):
     return factor
 
 
+def _adamw(model, config: RunConfig) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel for all parameters) where this torch supports it for these parameters."""
+    t = config.train
+    kwargs = dict(lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+    try:
+        return torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(model.parameters(), **kwargs)
+
+
 class _SigtermFlag:
     """Records SIGTERM instead of dying, so the loop can checkpoint first."""
 
@@ -119,8 +129,7 @@ class Run:
         self.engine = make_engine(c.rollout.engine, self.policy, self.tokenizer)
         self.params = SamplingParams(n=c.train.group_size, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                      max_new_tokens=c.rollout.max_new_tokens, stop=tuple(c.rollout.stop))
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=c.train.lr, betas=c.train.adam_betas,
-                                           weight_decay=c.train.weight_decay)
+        self.optimizer = _adamw(self.policy, c)
         total_updates = c.train.steps * c.train.minibatches * c.train.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(c, total_updates))
         self.order = DataOrder(len(self.task), c.train.seed)

@@ -36,7 +36,7 @@ class HFEngine:
     def sync_weights(self) -> None:
         """Nothing to do: the engine samples from the trainer's own model."""
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, generator: torch.Generator) -> Rollouts:
         model, pad = self.model, self.tokenizer.pad_token_id
         device = next(model.parameters()).device
@@ -48,42 +48,50 @@ class HFEngine:
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             mask[i, width - len(ids):] = 1
         input_ids, mask = input_ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        position = (mask.cumsum(-1) - 1).clamp(min=0)
         was_training = model.training
         model.eval()
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1)
         cache, logits = out.past_key_values, out.logits[:, -1]
-        next_position = positions[:, -1:] + 1
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        logprobs: list[list[float]] = [[] for _ in range(batch)]
-        finish = ["length"] * batch
+        position = position[:, -1:]
+        # per step, one column of these: the sampled token, its log-prob, and whether the row was still going
+        tokens = torch.full((batch, params.max_new_tokens), pad, dtype=torch.long)
+        logprobs = torch.zeros((batch, params.max_new_tokens))
+        alive = torch.zeros((batch, params.max_new_tokens), dtype=torch.bool)
         active = torch.ones(batch, dtype=torch.bool)
-        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long) if self.eos_ids else None
+        stopped = torch.zeros(batch, dtype=torch.bool)
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         stop_window = max((len(s) for s in params.stop), default=0)
-        for _ in range(params.max_new_tokens):
-            logp = sampling_logprobs(logits, params.temperature, params.top_p)
-            probs = logp.exp().cpu()
-            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-            chosen = logp.cpu().gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
-            for i in torch.nonzero(active).flatten().tolist():
-                token = int(sampled[i])
-                tokens[i].append(token)
-                logprobs[i].append(float(chosen[i]))
-                if eos is not None and token in self.eos_ids:
-                    finish[i], active[i] = "stop", False
-                elif stop_window and self._hits_stop(tokens[i], params.stop, stop_window):
-                    finish[i], active[i] = "stop", False
+        steps = 0
+        for t in range(params.max_new_tokens):
+            logp = sampling_logprobs(logits, params.temperature, params.top_p).cpu()
+            sampled = torch.multinomial(logp.exp(), 1, generator=generator)
+            tokens[:, t] = sampled.squeeze(-1)
+            logprobs[:, t] = logp.gather(-1, sampled).squeeze(-1)
+            alive[:, t] = active
+            steps = t + 1
+            ended = torch.isin(tokens[:, t], eos) & active
+            if stop_window:
+                for i in torch.nonzero(active & ~ended).flatten().tolist():
+                    if self._hits_stop(tokens[i, : t + 1][alive[i, : t + 1]].tolist(), params.stop, stop_window):
+                        ended[i] = True
+            stopped |= ended
+            active &= ~ended
             if not active.any():
                 break
-            step_ids = torch.where(active, sampled, torch.full_like(sampled, pad)).unsqueeze(-1).to(device)
+            step_ids = torch.where(active, tokens[:, t], pad).unsqueeze(-1).to(device)
             mask = torch.cat([mask, active.long().unsqueeze(-1).to(device)], dim=-1)
-            out = model(input_ids=step_ids, attention_mask=mask, position_ids=next_position,
-                        past_key_values=cache, use_cache=True)
+            position = position + 1
+            out = model(input_ids=step_ids, attention_mask=mask, position_ids=position, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
             cache, logits = out.past_key_values, out.logits[:, -1]
-            next_position = next_position + 1
         model.train(was_training)
-        texts = [self._text(ids, params.stop) for ids in tokens]
-        return Rollouts([list(p) for p in prompt_ids], tokens, logprobs, texts, finish, params.n)
+        lengths = alive[:, :steps].sum(-1).tolist()
+        token_lists = [row[:n] for row, n in zip(tokens[:, :steps].tolist(), lengths, strict=True)]
+        logprob_lists = [row[:n] for row, n in zip(logprobs[:, :steps].tolist(), lengths, strict=True)]
+        texts = [self._text(ids, params.stop) for ids in token_lists]
+        finish = ["stop" if s else "length" for s in stopped.tolist()]
+        return Rollouts([list(p) for p in prompt_ids], token_lists, logprob_lists, texts, finish, params.n)
 
     def _hits_stop(self, ids: list[int], stop: tuple[str, ...], window: int) -> bool:
         tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=True)
