@@ -143,16 +143,22 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     raise ConfigError(f"{key}: expected {name}, got {value!r}")
 
 
+def _reject_unknown(cls: type, data: dict[str, Any], section: str | None) -> None:
+    """A ConfigError naming the first key of `data` that `cls` has no field for."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        key, what = (f"{section}.{unknown[0]}", "key") if section else (unknown[0], "section")
+        raise ConfigError(f"{key}: unknown {what} (known: {', '.join(known)})")
+
+
 def _section(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ConfigError(f"{prefix}.{unknown[0]}: unknown key (known: {', '.join(known)})")
+    _reject_unknown(cls, data, prefix)
     values = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in data.items()}
     try:
         return cls(**values)
@@ -165,11 +171,9 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping of sections, got {type(data).__name__}")
     hints = typing.get_type_hints(RunConfig)
-    sections = [f.name for f in dataclasses.fields(RunConfig)]
-    unknown = sorted(set(data) - set(sections))
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown section (known: {', '.join(sections)})")
-    config = RunConfig(**{name: _section(hints[name], data.get(name), name) for name in sections})
+    _reject_unknown(RunConfig, data, None)
+    names = [f.name for f in dataclasses.fields(RunConfig)]
+    config = RunConfig(**{name: _section(hints[name], data.get(name), name) for name in names})
     validate(config)
     return config
 
