@@ -18,13 +18,13 @@ from collections import Counter
 from fractions import Fraction
 from typing import Iterable, Sequence
 
+from eval.prompts import LETTERS
 from eval.workers import DeadlinePool
 
 log = logging.getLogger(__name__)
 
 MAX_RESPONSE_CHARS = 65_536   # longer responses are rejected unread (score 0)
 MAX_ANSWER_CHARS = 512        # longer extracted answers are rejected (score 0)
-LETTERS = "ABCDEFGHIJ"
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)

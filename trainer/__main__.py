@@ -1,4 +1,4 @@
-"""Command line of the trainer: `python -m trainer audit|toy-model|sft|train ...`."""
+"""Command line of the trainer: `python -m trainer audit|toy-model|sft|export-data|train ...`."""
 
 from __future__ import annotations
 
@@ -149,6 +149,40 @@ def _run_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export-data", help="write a task's problems as evaluation data (jsonl)",
+                       description="Writes problems start..start+n-1 of a task in the record format of the "
+                       "matching evaluation task (arithmetic -> arith, countdown -> countdown, math -> math2).")
+    p.add_argument("--task", default="arithmetic", help="arithmetic | countdown | math (default arithmetic)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a task option (repeatable)")
+    p.add_argument("--n", type=int, default=200, help="number of problems (default 200)")
+    p.add_argument("--start", type=int, default=0, help="index of the first problem (default 0)")
+    p.add_argument("--out", type=Path, required=True, help="jsonl file to write")
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from trainer.tasks import make_task
+
+    task = make_task(args.task, _key_values(args.option, "--option"))
+    if args.n < 1 or not 0 <= args.start <= len(task) - args.n:
+        raise ValueError(f"--start/--n: problems {args.start}..{args.start + args.n - 1} are outside the task's "
+                         f"{len(task)} problems")
+    records = []
+    for index in range(args.start, args.start + args.n):
+        problem = task.problem(index)
+        if args.task == "countdown":
+            records.append({"numbers": problem.meta["numbers"], "target": problem.meta["target"]})
+        elif args.task == "math":
+            records.append({"problem": problem.question, "answer": problem.answer})
+        else:
+            records.append({"question": problem.question, "answer": problem.answer})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    log.info("%d %s problems written to %s", len(records), args.task, args.out)
+    return 0
+
+
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="RL fine-tuning run (resumes from its newest checkpoint)",
                        description="Runs the RL training described by --config in --out. Every config key "
@@ -174,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     _audit_parser(sub)
     _toy_model_parser(sub)
     _sft_parser(sub)
+    _export_parser(sub)
     _train_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

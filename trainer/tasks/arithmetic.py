@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from eval.prompts import arithmetic_prompt
 from trainer.tasks.base import Problem, Task, TaskDataError
 
 
@@ -29,4 +30,4 @@ class Arithmetic(Task):
         operators = [self.ops[i] for i in rng.integers(0, len(self.ops), size=self.terms - 1)]
         expression = str(operands[0]) + "".join(op + str(x) for op, x in zip(operators, operands[1:], strict=True))
         value = int(eval(expression, {"__builtins__": {}}))  # noqa: S307 - digits and + - * only, built here
-        return Problem(question=f"{expression}=", answer=str(value))
+        return Problem(question=arithmetic_prompt(expression), answer=str(value))

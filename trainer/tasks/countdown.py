@@ -6,6 +6,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from eval.prompts import countdown_prompt
 from eval.verify import Verifier, score_countdown
 from trainer.tasks.base import Problem, Task, TaskDataError
 
@@ -38,7 +39,7 @@ class Countdown(Task):
             if value.denominator == 1 and value > 0:
                 break
         shown = sorted(numbers)
-        question = f"{' '.join(map(str, shown))} make {int(value)}:"
+        question = countdown_prompt(shown, int(value))
         return Problem(question, expression, {"numbers": shown, "target": int(value)})
 
     def reward(self, responses, problems, verifier: Verifier) -> list[float]:

@@ -1,0 +1,73 @@
+"""Command line of the evaluation: `python -m eval run ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("eval")
+
+
+def _data(items: list[str]) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        task, sep, source = item.partition("=")
+        if not sep or not task or not source:
+            raise ValueError(f"--data {item!r}: expected TASK=PATH (a .jsonl/.json/.parquet file or a hub data set)")
+        pairs[task] = source
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    from eval.suites import SUITES, TASKS
+
+    parser = argparse.ArgumentParser(prog="python -m eval", description="klstudy's evaluation (lm-eval tasks)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    suites = "; ".join(f"{name}: {' '.join(tasks)}" for name, tasks in SUITES.items())
+    p = sub.add_parser("run", help="evaluate a model on suites or tasks",
+                       description=f"Suites ({suites}). Tasks: {', '.join(TASKS)}.")
+    p.add_argument("--model", required=True, help="HF model directory (or hub id)")
+    p.add_argument("--suite", nargs="+", required=True, metavar="SUITE_OR_TASK", help="suites and/or task names")
+    p.add_argument("--backend", default="hf", help="hf | vllm (default hf)")
+    p.add_argument("--samples", type=int, default=1, help="samples per problem: pass@1 is their mean (default 1)")
+    p.add_argument("--out", type=Path, required=True, help="directory for metrics.json and samples.jsonl")
+    p.add_argument("--limit", type=int, help="first N problems of each task")
+    p.add_argument("--data", action="append", default=[], metavar="TASK=PATH",
+                   help="data of a task: .jsonl/.json/.parquet file or hub data set[:subset] (repeatable)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (one sample) instead of sampling")
+    p.add_argument("--temperature", type=float, default=1.0, help="(default 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="(default 1.0)")
+    p.add_argument("--max-gen-toks", type=int, help="override each task's generation limit")
+    p.add_argument("--chat-template", action="store_true", help="prompts through the model's chat template")
+    p.add_argument("--batch-size", type=int, default=8, help="(default 8)")
+    p.add_argument("--dtype", default="float32", help="(default float32)")
+    p.add_argument("--device", default="cpu", help="(default cpu)")
+    p.add_argument("--seed", type=int, default=0, help="(default 0)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from eval.harness import EvalSettings, evaluate
+    from eval.suites import expand
+
+    try:
+        settings = EvalSettings(
+            model=args.model, tasks=tuple(expand(args.suite)), backend=args.backend, samples=args.samples,
+            greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, max_gen_toks=args.max_gen_toks,
+            chat_template=args.chat_template, limit=args.limit, batch_size=args.batch_size, dtype=args.dtype,
+            device=args.device, seed=args.seed, data=_data(args.data))
+        metrics = evaluate(settings, args.out)
+    except ValueError as error:  # bad options, model or data: one line, no traceback
+        log.error("%s", error)
+        return 2
+    for task, row in metrics["tasks"].items():
+        extra = f"  pass@{row['pass@k']['k']} {row['pass@k']['value']:.3f}" if "pass@k" in row else ""
+        stderr = f" ± {row['stderr']:.3f}" if row["stderr"] is not None else ""
+        print(f"{task:24s} pass@1 {row['value']:.3f}{stderr}  (n={row['n']}){extra}")
+    print(json.dumps({"out": str(args.out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

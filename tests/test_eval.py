@@ -1,0 +1,168 @@
+"""Evaluation: scoring hooks on hand-computed fixtures, real lm-eval runs on the toy model, bad inputs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eval.suites import SUITES, TASKS, SuiteError, expand
+from eval.tasks import hooks
+
+DATA = Path(__file__).parent / "data" / "eval"
+
+
+def test_math_hook_scores_each_sample_and_takes_gold_from_answer_or_solution():
+    doc = {"problem": "Half of one?", "answer": "\\frac{1}{2}"}
+    assert hooks.math_results(doc, ["so \\boxed{0.5}", "\\boxed{2}", "the answer is 1/2", "none"]) == {
+        "pass_at_1": 0.5, "pass_at_k": 1.0}  # 2 of 4 right, by hand
+    assert hooks.math_gold({"problem": "p", "solution": "thus $\\boxed{12}$."}) == "12"
+    assert hooks.math_results({"problem": "p", "solution": "$\\boxed{12}$"}, ["\\boxed{13}"]) == {
+        "pass_at_1": 0.0, "pass_at_k": 0.0}
+    assert hooks.math_text(doc).startswith("Half of one?\nPlease reason step by step")
+
+
+def test_choice_hook_reads_index_or_letter_gold():
+    doc = {"question": "Unit of force?", "choices": ["joule", "newton", "watt", "pascal"], "answer": 1}
+    assert hooks.choice_gold(doc) == "B" and hooks.choice_gold({**doc, "answer": "c"}) == "C"
+    assert hooks.choice_results(doc, ["I think \\boxed{B}", "The answer is (A)", "(B)"]) == {
+        "pass_at_1": 2 / 3, "pass_at_k": 1.0}
+    assert "(B) newton" in hooks.choice_text(doc)
+
+
+def test_hooks_take_the_k_samples_however_lm_eval_nests_them():
+    doc = {"question": "8-6=", "answer": "2"}
+    flat = hooks.arith_results(doc, ["2", "3"])
+    assert hooks.arith_results(doc, [["2", "3"]]) == flat == {"pass_at_1": 0.5, "pass_at_k": 1.0}
+
+
+def test_countdown_and_arith_hooks():
+    doc = {"nums": [7, 3, 5], "target": 22}
+    assert hooks.countdown_text(doc) == "3 5 7 make 22:"
+    assert hooks.countdown_results(doc, ["3*5+7", "3+5+7"]) == {"pass_at_1": 0.5, "pass_at_k": 1.0}
+    assert hooks.arith_text({"question": "8-6"}) == hooks.arith_text({"question": "8-6="}) == "8-6="
+    assert hooks.arith_results({"question": "8-6=", "answer": "2"}, ["2", "3", "2", "-2"]) == {
+        "pass_at_1": 0.5, "pass_at_k": 1.0}
+
+
+def test_training_and_evaluation_share_prompts_and_verifier():
+    from trainer.tasks import make_task
+
+    arithmetic, countdown = make_task("arithmetic"), make_task("countdown")
+    p, c = arithmetic.problem(3), countdown.problem(3)
+    assert hooks.arith_text({"question": p.question}) == p.question
+    assert hooks.countdown_text({"numbers": c.meta["numbers"], "target": c.meta["target"]}) == c.question
+    assert hooks.countdown_results({"numbers": c.meta["numbers"], "target": c.meta["target"]}, [c.answer]) == {
+        "pass_at_1": 1.0, "pass_at_k": 1.0}
+
+
+def test_suites_are_defined_once_and_expand():
+    assert expand(["in_domain"]) == ["math500", "math2"]
+    assert expand(["all", "math500", "arith"]) == [*SUITES["all"], "arith"]
+    assert set(SUITES["all"]) <= set(TASKS)
+    with pytest.raises(SuiteError, match="'gsm8k' is neither a suite"):
+        expand(["gsm8k"])
+
+
+def eval_cli(*args):
+    return subprocess.run([sys.executable, "-m", "eval", "run", *args], capture_output=True, text=True, timeout=600)
+
+
+def data_args(tasks=TASKS):
+    return [arg for task in tasks for arg in ("--data", f"{task}={DATA / (task + '.jsonl')}")]
+
+
+def test_every_suite_runs_offline_on_a_toy_checkpoint(warm_model, tmp_path):
+    out = tmp_path / "all"
+    result = eval_cli("--model", str(warm_model), "--suite", "in_domain", "out_of_domain", "all", "countdown", "arith",
+                      "--samples", "2", "--limit", "2", "--max-gen-toks", "8", "--out", str(out), *data_args())
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert list(metrics["tasks"]) == list(TASKS)
+    assert metrics["backend"] == "hf" and metrics["model"] == str(warm_model)
+    assert metrics["sampling"] == {"samples": 2, "greedy": False, "max_gen_toks": 8, "temperature": 1.0, "top_p": 1.0}
+    for task, row in metrics["tasks"].items():
+        assert row["metric"] == "pass@1" and row["n"] == 2 and 0 <= row["value"] <= 1
+        assert row["pass@k"]["k"] == 2 and row["pass@k"]["value"] >= row["value"]
+        assert row["data"].endswith(f"{task}.jsonl")
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * len(TASKS) and all(len(s["responses"]) == 2 for s in samples)
+    generated = (out / "tasks" / "math500.yaml").read_text()
+    assert "include: " in generated and "repeats: 2" in generated  # the run records what it ran
+
+
+def test_a_known_answer_fixture_is_scored_exactly(warm_model, tmp_path):
+    """pass@1 from lm-eval equals the one recomputed by hand from the recorded responses."""
+    out = tmp_path / "known"
+    result = eval_cli("--model", str(warm_model), "--suite", "arith", "--samples", "4", "--out", str(out),
+                      "--data", f"arith={DATA / 'arith.jsonl'}")
+    assert result.returncode == 0, result.stderr
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+    def right(response, gold):
+        try:
+            return float(int(response.strip()) == int(gold))
+        except ValueError:
+            return 0.0
+
+    by_hand = [sum(right(r, s["doc"]["answer"]) for r in s["responses"]) / 4 for s in samples]
+    metrics = json.loads((out / "metrics.json").read_text())["tasks"]["arith"]
+    assert metrics["n"] == 4 and metrics["value"] == pytest.approx(sum(by_hand) / 4, abs=1e-12)
+    assert [s["pass_at_1"] for s in samples] == by_hand
+
+
+def test_greedy_and_chat_template_options(warm_model, tmp_path):
+    out = tmp_path / "greedy"
+    result = eval_cli("--model", str(warm_model), "--suite", "arith", "--greedy", "--chat-template", "--limit", "2",
+                      "--out", str(out), "--data", f"arith={DATA / 'arith.jsonl'}")
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["sampling"]["greedy"] and metrics["chat_template"] and "pass@k" not in metrics["tasks"]["arith"]
+    assert "do_sample: false" in (out / "tasks" / "arith.yaml").read_text()
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "has no records"),
+    ('{"question": "1+1=", "answer": "2"}\n{broken\n', "line 2 is not valid JSON"),
+    ('{"prompt": "1+1=", "answer": "2"}\n', "record 1 of .* has no 'question' field"),
+])
+def test_bad_data_files_give_one_clear_error(warm_model, tmp_path, content, message):
+    bad = tmp_path / "arith.jsonl"
+    bad.write_text(content)
+    result = eval_cli("--model", str(warm_model), "--suite", "arith", "--out", str(tmp_path / "o"),
+                      "--data", f"arith={bad}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert __import__("re").search(message, result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/no/such/model", "--suite", "arith"], "--model: model directory /no/such/model does not exist"),
+    (["--suite", "gsm8k"], "'gsm8k' is neither a suite"),
+    (["--suite", "math2"], "--data math2=PATH: task math2 has no public default data set"),
+    (["--suite", "arith", "--backend", "vllm"], "--backend vllm: vllm is not installed"),
+    (["--suite", "arith", "--backend", "tgi"], "--backend: 'tgi' is not one of hf, vllm"),
+    (["--suite", "arith", "--data", "gsm8k=x.jsonl"], "--data gsm8k=...: no such task"),
+    (["--suite", "arith", "--data", "arith=/no/file.jsonl"], "--data arith: no such file /no/file.jsonl"),
+])
+def test_bad_options_give_one_clear_error(warm_model, tmp_path, args, message):
+    if "--model" not in args:
+        args = ["--model", str(warm_model), *args]
+    if "--data" not in args and "math2" not in args:
+        args = [*args, "--data", f"arith={DATA / 'arith.jsonl'}"]
+    result = eval_cli(*args, "--out", str(tmp_path / "o"))
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_trainer_exports_problems_in_the_eval_format(warm_model, tmp_path):
+    data = tmp_path / "arith.jsonl"
+    export = subprocess.run([sys.executable, "-m", "trainer", "export-data", "--task", "arithmetic", "--option",
+                             "max_operand=9", "--n", "5", "--start", "100", "--out", str(data)],
+                            capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stderr
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    assert len(records) == 5 and set(records[0]) == {"question", "answer"}
+    result = eval_cli("--model", str(warm_model), "--suite", "toy", "--limit", "5", "--out", str(tmp_path / "o"),
+                      "--data", f"arith={data}")
+    assert result.returncode == 0, result.stderr
