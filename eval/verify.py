@@ -172,17 +172,15 @@ class Verifier:
 
     def score_many(self, pairs: Iterable[tuple[str | bytes, str]]) -> list[float]:
         """Scores for (response, gold) pairs; the slow ones run in parallel in the pool."""
+        pairs = list(pairs)
         decided = [self._fast(response, gold) for response, gold in pairs]
-        golds = [gold for _, gold in pairs] if isinstance(pairs, Sequence) else None
         slow = [i for i, d in enumerate(decided) if isinstance(d, str)]
         if slow:
-            if golds is None:
-                raise TypeError("score_many needs a sequence of pairs")
             with self._lock:
                 if self._pool is None:
                     self._pool = DeadlinePool("eval.verify:math_equivalent", workers=self.workers,
                                              timeout=self.timeout)
-                outcomes = self._pool.map([(decided[i], golds[i].strip()) for i in slow])
+                outcomes = self._pool.map([(decided[i], pairs[i][1].strip()) for i in slow])
             for i, outcome in zip(slow, outcomes, strict=True):
                 if outcome.status != "ok":
                     self.counts[outcome.status + "s"] += 1
