@@ -1,0 +1,54 @@
+"""Command line of the study level: `python -m sweep track|report ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("sweep")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sweep", description="klstudy's study level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("track", help="sync run directories into MLflow (idempotent)",
+                       description="Brings MLflow up to date with results/runs and results/eval. Store: "
+                       "--uri, else MLFLOW_TRACKING_URI, else sqlite:///<results>/mlflow.db.")
+    t.add_argument("--results", type=Path, default=Path("results"))
+    t.add_argument("--study", required=True, help="study name (one MLflow experiment and parent run)")
+    t.add_argument("--uri", help="tracking URI")
+    t.add_argument("--follow", type=Path, metavar="RUN_DIR", help="keep syncing until RUN_DIR is complete")
+    t.add_argument("--interval", type=float, default=30.0, help="seconds between syncs with --follow")
+    r = sub.add_parser("report", help="tables (Markdown, LaTeX, CSV) and figures",
+                       description="Writes results/tables and results/figures from the run directories.")
+    r.add_argument("--results", type=Path, default=Path("results"))
+    r.add_argument("--study", help="also log the tables and figures to this study's MLflow parent run")
+    r.add_argument("--uri", help="tracking URI (with --study)")
+    r.add_argument("--collapse-fraction", type=float, default=0.5,
+                   help="a run whose smoothed reward or pass rate ends below this fraction of its peak is "
+                        "flagged unstable (default 0.5)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "track":
+            from sweep.tracking import follow, sync
+
+            if args.follow:
+                follow(args.results, args.study, args.follow, args.uri, args.interval)
+            else:
+                print(json.dumps(sync(args.results, args.study, args.uri).__dict__))
+        else:
+            from sweep.report import report
+
+            print(json.dumps(report(args.results, args.study, args.uri, args.collapse_fraction)))
+    except ValueError as error:
+        log.error("%s", error)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""MLflow: one experiment and parent run per study, one child run per grid point, idempotent sync.
+
+The run directories are the truth and MLflow is a view of them: `sync` can run any number of times,
+concurrently, or after a tracking outage, and ends with every step logged exactly once. Steps
+already in MLflow are read back from the history of `reward_mean` (every metrics line has it), and
+new steps go in batches of whole steps, each batch one transaction.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from sweep.runs import RunRecord, flatten, load_runs
+
+log = logging.getLogger(__name__)
+
+ANCHOR = "reward_mean"  # a metric every metrics.jsonl line carries
+MAX_BATCH = 1000        # MLflow's limit of metrics per log_batch
+MAX_PARAM = 6000        # MLflow's limit of a param value's length
+TAG_ROLE, TAG_STUDY, TAG_RUN = "klstudy.role", "klstudy.study", "klstudy.run_id"
+
+
+def default_uri(results: Path) -> str:
+    """MLFLOW_TRACKING_URI if set, else sqlite:///<results>/mlflow.db."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(results).resolve() / 'mlflow.db'}"
+
+
+@contextmanager
+def sync_lock(results: Path) -> Iterator[None]:
+    """One sync at a time per results directory (so no two create the same run)."""
+    Path(results).mkdir(parents=True, exist_ok=True)
+    with open(Path(results) / ".mlflow-sync.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@dataclass
+class SyncReport:
+    runs_created: int = 0
+    steps_logged: int = 0
+    evals_logged: int = 0
+    artifacts_logged: int = 0
+    parent_run_id: str = ""
+    child_run_ids: dict[str, str] = field(default_factory=dict)
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _find_run(client, experiment_id: str, tags: dict[str, str]):
+    query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+    found = client.search_runs([experiment_id], filter_string=query, max_results=2)
+    return found[0] if found else None
+
+
+def study_run(client, study: str) -> tuple[str, str]:
+    """(experiment id, parent run id) of a study, created if absent."""
+    name = f"klstudy/{study}"
+    experiment = client.get_experiment_by_name(name)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
+    tags = {TAG_ROLE: "study", TAG_STUDY: study}
+    parent = _find_run(client, experiment_id, tags)
+    if parent is None:
+        parent = client.create_run(experiment_id, tags=tags, run_name=study)
+    return experiment_id, parent.info.run_id
+
+
+def _params(record: RunRecord):
+    from mlflow.entities import Param
+
+    return [Param(k, str(v)[:MAX_PARAM]) for k, v in sorted(flatten(record.config).items())]
+
+
+def _child_run(client, experiment_id: str, parent_id: str, record: RunRecord, report: SyncReport) -> str:
+    from mlflow.entities import RunTag
+
+    tags = {TAG_ROLE: "grid-point", TAG_RUN: record.run_id}
+    existing = _find_run(client, experiment_id, tags)
+    if existing is not None:
+        return existing.info.run_id
+    coords = {f"klstudy.{k}": str(v) for k, v in record.coords.items()}
+    run = client.create_run(experiment_id, run_name=record.run_id,
+                            tags={**tags, **coords, "mlflow.parentRunId": parent_id})
+    params = _params(record)
+    for start in range(0, len(params), 100):
+        client.log_batch(run.info.run_id, params=params[start:start + 100])
+    client.log_batch(run.info.run_id, tags=[RunTag("klstudy.config_label", record.label)])
+    client.log_artifact(run.info.run_id, str(record.path / "config.yaml"))
+    report.runs_created += 1
+    report.artifacts_logged += 1
+    return run.info.run_id
+
+
+def _log_steps(client, run_id: str, record: RunRecord, report: SyncReport) -> None:
+    from mlflow.entities import Metric
+
+    synced = {m.step for m in client.get_metric_history(run_id, ANCHOR)}
+    pending = [line for line in record.metrics if line["step"] not in synced]
+    batch: list = []
+    now = int(time.time() * 1000)
+
+    def flush() -> None:
+        if batch:
+            client.log_batch(run_id, metrics=list(batch))
+            batch.clear()
+
+    for line in pending:
+        step_metrics = [Metric(k, float(v), now, int(line["step"])) for k, v in line.items()
+                        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+                        and math.isfinite(float(v))]
+        if len(batch) + len(step_metrics) > MAX_BATCH:
+            flush()  # whole steps per batch: a crash leaves no step half-logged
+        batch.extend(step_metrics)
+    flush()
+    report.steps_logged += len(pending)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _log_evals(client, run_id: str, record: RunRecord, report: SyncReport) -> None:
+    """Eval scores as metrics at the run's last step; re-logged only when an eval's file changed."""
+    from mlflow.entities import Metric, RunTag
+
+    run_tags = client.get_run(run_id).data.tags
+    step = len(record.metrics)
+    now = int(time.time() * 1000)
+    for suite, metrics in record.evals.items():
+        eval_dir = record.path.parent.parent / "eval" / record.run_id / suite
+        digest, tag = _digest(eval_dir / "metrics.json"), f"klstudy.eval_digest.{suite}"
+        if run_tags.get(tag) == digest:
+            continue
+        values = []
+        for task, row in metrics.get("tasks", {}).items():
+            values.append(Metric(f"eval/{suite}/{task}/pass_at_1", float(row["value"]), now, step))
+            if row.get("stderr") is not None:
+                values.append(Metric(f"eval/{suite}/{task}/pass_at_1_stderr", float(row["stderr"]), now, step))
+            if "pass@k" in row:
+                values.append(Metric(f"eval/{suite}/{task}/pass_at_{row['pass@k']['k']}",
+                                     float(row["pass@k"]["value"]), now, step))
+        client.log_batch(run_id, metrics=values, tags=[RunTag(tag, digest)])
+        if (eval_dir / "samples.jsonl").exists():
+            client.log_artifact(run_id, str(eval_dir / "samples.jsonl"), artifact_path=f"eval/{suite}")
+            report.artifacts_logged += 1
+        report.evals_logged += 1
+
+
+def _log_curves(client, run_id: str, record: RunRecord, report: SyncReport, new_steps: bool) -> None:
+    if not new_steps or not record.metrics:
+        return
+    import tempfile
+
+    from sweep.report import run_curves_figure
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = run_curves_figure(record, Path(tmp) / "curves.png")
+        client.log_artifact(run_id, str(path))
+    report.artifacts_logged += 1
+
+
+def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
+    """Bring MLflow up to date with every run under `results`; safe to repeat and to run concurrently."""
+    results = Path(results)
+    uri = uri or default_uri(results)
+    report = SyncReport()
+    with sync_lock(results):
+        client = _client(uri)
+        experiment_id, parent_id = study_run(client, study)
+        report.parent_run_id = parent_id
+        for record in load_runs(results):
+            run_id = _child_run(client, experiment_id, parent_id, record, report)
+            report.child_run_ids[record.run_id] = run_id
+            before = report.steps_logged
+            _log_steps(client, run_id, record, report)
+            _log_evals(client, run_id, record, report)
+            _log_curves(client, run_id, record, report, report.steps_logged > before)
+            status = client.get_run(run_id).info.status
+            if record.complete and status != "FINISHED":
+                client.set_terminated(run_id, "FINISHED")
+    log.info("synced %s into %s: %d runs created, %d steps, %d evals", results, uri, report.runs_created,
+             report.steps_logged, report.evals_logged)
+    return report
+
+
+def follow(results: Path, study: str, run_dir: Path, uri: str | None = None, interval: float = 30.0,
+           max_wait: float | None = None) -> None:
+    """Sync every `interval` s until `run_dir` is complete; a tracking outage only delays the view."""
+    start = time.monotonic()
+    while True:
+        done = (Path(run_dir) / "COMPLETE").exists()
+        try:
+            sync(results, study, uri)
+        except Exception as error:  # noqa: BLE001 - tracking down: the next round catches up
+            log.warning("tracking sync failed (%s); retrying in %.0f s", error, interval)
+        if done or (max_wait is not None and time.monotonic() - start > max_wait):
+            return
+        time.sleep(interval)

@@ -1,0 +1,39 @@
+"""Synthetic run and eval directories with known numbers (no training needed)."""
+
+import json
+from pathlib import Path
+
+import yaml
+
+
+def write_run(results: Path, run_id: str, estimator: str, placement: str, beta: float, seed: int,
+              rewards: list[float], scores: dict[str, float], model: str = "toy", complete: bool = True,
+              skipped: int = 0) -> Path:
+    run = results / "runs" / run_id
+    run.mkdir(parents=True, exist_ok=True)
+    config = {"model": {"path": f"/models/{model}"}, "objective": {"estimator": estimator, "placement": placement,
+              "beta": beta}, "train": {"seed": seed, "steps": len(rewards)}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    lines = [{"step": i, "reward_mean": r, "pass_rate": r, "kl_k3": 0.01 * i, "entropy": 1.0 - 0.01 * i,
+              "response_length": 3.0, "skipped_updates": float(skipped if i == 1 else 0)}
+             for i, r in enumerate(rewards)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if complete:
+        (run / "COMPLETE").write_text("{}\n")
+    suite = results / "eval" / run_id / "all"
+    suite.mkdir(parents=True, exist_ok=True)
+    tasks = {t: {"metric": "pass@1", "value": v, "stderr": 0.01, "n": 100} for t, v in scores.items()}
+    (suite / "metrics.json").write_text(json.dumps({"tasks": tasks}))
+    (suite / "samples.jsonl").write_text(json.dumps({"task": "math500", "doc_id": 0}) + "\n")
+    return run
+
+
+def write_study(results: Path) -> Path:
+    """k1-reward and k3-loss at beta 0.05 (two seeds each) and a no-KL baseline."""
+    write_run(results, "toy__k1-reward__b0.05__s0", "k1", "reward", 0.05, 0, [0.2, 0.4, 0.6, 0.8], {"math500": 0.5})
+    write_run(results, "toy__k1-reward__b0.05__s1", "k1", "reward", 0.05, 1, [0.2, 0.4, 0.6, 0.8], {"math500": 0.7})
+    write_run(results, "toy__k3-loss__b0.05__s0", "k3", "loss", 0.05, 0, [0.2, 0.8, 0.1, 0.05], {"math500": 0.2},
+              skipped=1)
+    write_run(results, "toy__k3-loss__b0.05__s1", "k3", "loss", 0.05, 1, [0.2, 0.4, 0.5, 0.5], {"math500": 0.4})
+    write_run(results, "toy__none__s0", "k1", "none", 0.0, 0, [0.2, 0.3, 0.3, 0.3], {"math500": 0.6})
+    return results

@@ -1,0 +1,158 @@
+"""MLflow sync: sqlite and a real server, idempotency, concurrency, and a tracking outage."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from study_fixture import write_run, write_study
+
+from sweep.tracking import sync
+
+
+def client(uri):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def child_runs(uri, study):
+    c = client(uri)
+    experiment = c.get_experiment_by_name(f"klstudy/{study}")
+    runs = c.search_runs([experiment.experiment_id], max_results=1000)
+    return [r for r in runs if r.data.tags.get("klstudy.role") == "grid-point"], \
+        [r for r in runs if r.data.tags.get("klstudy.role") == "study"]
+
+
+def test_sync_into_sqlite_logs_everything_once(tmp_path):
+    results = write_study(tmp_path / "results")
+    first = sync(results, "fixture")
+    uri = f"sqlite:///{(results / 'mlflow.db').resolve()}"
+    children, parents = child_runs(uri, "fixture")
+    assert first.runs_created == 5 and first.steps_logged == 20 and first.evals_logged == 5
+    assert len(children) == 5 and len(parents) == 1
+    run = next(r for r in children if r.data.tags["klstudy.run_id"] == "toy__k1-reward__b0.05__s1")
+    assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
+    assert run.data.tags["klstudy.estimator"] == "k1" and run.data.tags["klstudy.beta"] == "0.05"
+    assert run.data.params["objective.placement"] == "reward" and run.data.params["train.seed"] == "1"
+    assert run.data.metrics["eval/all/math500/pass_at_1"] == 0.7 and run.info.status == "FINISHED"
+    history = client(uri).get_metric_history(run.info.run_id, "reward_mean")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.2), (1, 0.4), (2, 0.6), (3, 0.8)]
+    artifacts = {a.path for a in client(uri).list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "curves.png", "eval"} <= artifacts
+
+    again = sync(results, "fixture")  # idempotent: nothing new, nothing duplicated
+    assert (again.runs_created, again.steps_logged, again.evals_logged) == (0, 0, 0)
+    assert len(client(uri).get_metric_history(run.info.run_id, "reward_mean")) == 4
+    assert len(child_runs(uri, "fixture")[0]) == 5
+
+    path = results / "runs" / "toy__k1-reward__b0.05__s1" / "metrics.jsonl"
+    with path.open("a") as handle:  # the run went on: only the new steps are added
+        handle.write(json.dumps({"step": 4, "reward_mean": 0.9}) + "\n" + json.dumps({"step": 5, "reward_mean": 1.0})
+                     + "\n")
+    more = sync(results, "fixture")
+    assert more.steps_logged == 2
+    assert len(client(uri).get_metric_history(run.info.run_id, "reward_mean")) == 6
+
+
+def test_several_processes_syncing_at_once_lose_nothing(tmp_path):
+    results = write_study(tmp_path / "results")
+    for i in range(6):
+        write_run(results, f"extra__s{i}", "k2", "loss", 0.1, i, [0.1 * j for j in range(10)], {"math500": 0.1})
+    processes = [subprocess.Popen([sys.executable, "-m", "sweep", "track", "--results", str(results), "--study", "par"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    for p in processes:
+        assert p.wait(timeout=300) == 0, p.stderr.read()
+    uri = f"sqlite:///{(results / 'mlflow.db').resolve()}"
+    children, parents = child_runs(uri, "par")
+    assert len(parents) == 1 and len(children) == 11
+    for run in children:
+        steps = [m.step for m in client(uri).get_metric_history(run.info.run_id, "reward_mean")]
+        assert sorted(steps) == sorted(set(steps)) and len(steps) in (4, 10)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_path, port):
+    db, artifacts = tmp_path / "server.db", tmp_path / "artifacts"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", str(artifacts)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return process
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise AssertionError("mlflow server did not start")
+
+
+def stop_server(process):
+    os.killpg(process.pid, 15)
+    process.wait(timeout=30)
+
+
+def rest(port, path, payload=None):
+    url = f"http://127.0.0.1:{port}/api/2.0/mlflow/{path}"
+    request = urllib.request.Request(url, data=json.dumps(payload).encode() if payload is not None else None,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture
+def server(tmp_path):
+    port = free_port()
+    process = start_server(tmp_path, port)
+    yield port
+    stop_server(process)
+
+
+def test_sync_into_a_real_mlflow_server_checked_through_its_rest_api(tmp_path, server):
+    results = write_study(tmp_path / "results")
+    sync(results, "served", uri=f"http://127.0.0.1:{server}")
+    sync(results, "served", uri=f"http://127.0.0.1:{server}")
+    experiment = rest(server, "experiments/get-by-name?experiment_name=klstudy/served")["experiment"]
+    runs = rest(server, "runs/search", {"experiment_ids": [experiment["experiment_id"]], "max_results": 100})["runs"]
+    assert len(runs) == 6  # the parent and five grid points, once each after two syncs
+    tags = {r["info"]["run_id"]: {t["key"]: t["value"] for t in r["data"]["tags"]} for r in runs}
+    child = next(run_id for run_id, t in tags.items() if t.get("klstudy.run_id") == "toy__k3-loss__b0.05__s1")
+    history = rest(server, f"metrics/get-history?run_id={child}&metric_key=reward_mean")["metrics"]
+    assert sorted((m["step"], m["value"]) for m in history) == [(0, 0.2), (1, 0.4), (2, 0.5), (3, 0.5)]
+
+
+def test_tracking_down_during_a_training_run_then_a_sync_loses_nothing(warm_model, tmp_path):
+    results = tmp_path / "results"
+    run = results / "runs" / "live"
+    port = free_port()  # nothing listens here yet: the tracking server is down
+    env = dict(os.environ, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="2")
+    follower = subprocess.Popen([sys.executable, "-m", "sweep", "track", "--results", str(results), "--study", "live",
+                                 "--uri", f"http://127.0.0.1:{port}", "--follow", str(run), "--interval", "1"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    training = subprocess.run([sys.executable, "-m", "trainer", "train", "--out", str(run), f"model.path={warm_model}",
+                               "task.options={max_operand: 9}", "rollout.max_new_tokens=4", "train.steps=12",
+                               "train.prompts_per_step=4", "train.group_size=4"],
+                              capture_output=True, text=True, timeout=600)
+    assert training.returncode == 0, training.stderr  # training never depends on tracking
+    assert follower.wait(timeout=120) == 0
+    assert "tracking sync failed" in follower.stderr.read()
+    process = start_server(tmp_path, port)
+    try:
+        report = sync(results, "live", uri=f"http://127.0.0.1:{port}")
+        assert report.steps_logged == 12
+        history = client(f"http://127.0.0.1:{port}").get_metric_history(report.child_run_ids["live"], "reward_mean")
+        assert sorted(m.step for m in history) == list(range(12))
+    finally:
+        stop_server(process)
