@@ -27,6 +27,8 @@ ANCHOR = "reward_mean"  # a metric every metrics.jsonl line carries
 MAX_BATCH = 1000        # MLflow's limit of metrics per log_batch
 MAX_PARAM = 6000        # MLflow's limit of a param value's length
 TAG_ROLE, TAG_STUDY, TAG_RUN = "klstudy.role", "klstudy.study", "klstudy.run_id"
+# MLflow 3's UI opens an experiment of this kind on its training runs, not on GenAI traces
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def default_uri(results: Path) -> str:
@@ -73,6 +75,8 @@ def study_run(client, study: str) -> tuple[str, str]:
     name = f"klstudy/{study}"
     experiment = client.get_experiment_by_name(name)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
+    if experiment is None or experiment.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
+        client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
     tags = {TAG_ROLE: "study", TAG_STUDY: study}
     parent = _find_run(client, experiment_id, tags)
     if parent is None:

@@ -35,6 +35,8 @@ def test_sync_into_sqlite_logs_everything_once(tmp_path):
     children, parents = child_runs(uri, "fixture")
     assert first.runs_created == 5 and first.steps_logged == 20 and first.evals_logged == 5
     assert len(children) == 5 and len(parents) == 1
+    experiment = client(uri).get_experiment_by_name("klstudy/fixture")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on runs
     run = next(r for r in children if r.data.tags["klstudy.run_id"] == "toy__k1-reward__b0.05__s1")
     assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
     assert run.data.tags["klstudy.estimator"] == "k1" and run.data.tags["klstudy.beta"] == "0.05"
