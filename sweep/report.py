@@ -191,6 +191,16 @@ def _pyplot():
     return plt
 
 
+def _finish(fig, title: str, path: Path) -> Path:
+    """Title, lay out, save and close a figure."""
+    plt = _pyplot()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def run_curves_figure(record: RunRecord, path: Path) -> Path:
     """One run's reward, KL, entropy and length over steps (logged with its MLflow run)."""
     plt = _pyplot()
@@ -200,11 +210,7 @@ def run_curves_figure(record: RunRecord, path: Path) -> Path:
         ax.plot(steps, [m.get(key, float("nan")) for m in record.metrics])
         ax.set_title(key)
         ax.set_xlabel("step")
-    fig.suptitle(record.run_id)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(fig, record.run_id, path)
 
 
 def curves_figures(records: list[RunRecord], out: Path) -> list[Path]:
@@ -237,12 +243,8 @@ def curves_figures(records: list[RunRecord], out: Path) -> list[Path]:
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=7)
-        fig.suptitle(f"{model}, beta = {beta} (mean over seeds, min-max shaded)")
-        fig.tight_layout()
-        path = out / f"curves_{model}_beta{beta}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_finish(fig, f"{model}, beta = {beta} (mean over seeds, min-max shaded)",
+                             out / f"curves_{model}_beta{beta}.png"))
     return paths
 
 
@@ -270,12 +272,7 @@ def accuracy_vs_beta_figures(rows: list[Row], tasks: list[str], out: Path) -> li
             ax.set_title(f"{task} pass@1")
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"{model}: accuracy against beta")
-        fig.tight_layout()
-        path = out / f"accuracy_vs_beta_{model}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_finish(fig, f"{model}: accuracy against beta", out / f"accuracy_vs_beta_{model}.png"))
     return paths
 
 
@@ -296,10 +293,10 @@ def report(results: Path, study: str | None = None, uri: str | None = None,
     written += curves_figures(records, figures)
     written += accuracy_vs_beta_figures(rows, tasks, figures)
     if study is not None:
-        from sweep.tracking import _client, default_uri, study_run, sync_lock
+        from sweep.tracking import client_for, default_uri, study_run, sync_lock
 
         with sync_lock(results):
-            client = _client(uri or default_uri(results))
+            client = client_for(uri or default_uri(results))
             _, parent = study_run(client, study)
             for path in written:
                 client.log_artifact(parent, str(path), artifact_path=path.parent.name)

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import math
 import os
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ class SyncReport:
     child_run_ids: dict[str, str] = field(default_factory=dict)
 
 
-def _client(uri: str):
+def client_for(uri: str):
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
@@ -168,9 +169,7 @@ def _log_evals(client, run_id: str, record: RunRecord, report: SyncReport) -> No
 def _log_curves(client, run_id: str, record: RunRecord, report: SyncReport, new_steps: bool) -> None:
     if not new_steps or not record.metrics:
         return
-    import tempfile
-
-    from sweep.report import run_curves_figure
+    from sweep.report import run_curves_figure  # matplotlib only when there is something to draw
 
     with tempfile.TemporaryDirectory() as tmp:
         path = run_curves_figure(record, Path(tmp) / "curves.png")
@@ -184,7 +183,7 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
     uri = uri or default_uri(results)
     report = SyncReport()
     with sync_lock(results):
-        client = _client(uri)
+        client = client_for(uri)
         experiment_id, parent_id = study_run(client, study)
         report.parent_run_id = parent_id
         for record in load_runs(results):
