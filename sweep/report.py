@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eval.suites import TASKS
 from sweep.runs import RunRecord, load_runs
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,9 @@ def _order(record: RunRecord) -> tuple:
 
 def table_rows(records: list[RunRecord], fraction: float = 0.5) -> tuple[list[Row], list[str]]:
     """Rows (seeds aggregated) and the task columns, in a stable order."""
-    tasks = sorted({task for r in records for task in r.scores()})
+    found = {task for r in records for task in r.scores()}
+    known = [task for task in TASKS if task in found]  # in-domain, then out-of-domain, as the suites say
+    tasks = known + sorted(found - set(known))
     rows: dict[tuple, Row] = {}
     for record in sorted(records, key=_order):
         c = record.coords

@@ -59,3 +59,12 @@ def test_the_gradient_audit_table_is_included_when_the_audit_ran(tmp_path):
     report(results)
     assert "| on-policy | k1 | reward | none | 1 | 1e-15 | unbiased |" in (results / "tables" /
                                                                           "gradient_audit.md").read_text()
+
+
+def test_columns_follow_the_suites_in_domain_first(tmp_path):
+    from study_fixture import write_run
+
+    results = tmp_path / "results"
+    write_run(results, "a", "k1", "reward", 0.1, 0, [0.1, 0.2], {"mmlu_college_physics": 0.3, "math500": 0.2,
+                                                                 "zz_custom": 0.1})
+    assert table_rows(load_runs(results))[1] == ["math500", "mmlu_college_physics", "zz_custom"]
