@@ -296,11 +296,12 @@ def report(results: Path, study: str | None = None, uri: str | None = None,
     written += curves_figures(records, figures)
     written += accuracy_vs_beta_figures(rows, tasks, figures)
     if study is not None:
-        from sweep.tracking import client_for, default_uri, study_run, sync_lock
+        from sweep.tracking import artifact_location, client_for, default_uri, study_run, sync_lock
 
+        uri = uri or default_uri(results)
         with sync_lock(results):
-            client = client_for(uri or default_uri(results))
-            _, parent = study_run(client, study)
+            client = client_for(uri)
+            _, parent = study_run(client, study, artifact_location(results, uri))
             for path in written:
                 client.log_artifact(parent, str(path), artifact_path=path.parent.name)
     log.info("report: %d rows, %d tasks, %d files", len(rows), len(tasks), len(written))

@@ -71,11 +71,23 @@ def _find_run(client, experiment_id: str, tags: dict[str, str]):
     return found[0] if found else None
 
 
-def study_run(client, study: str) -> tuple[str, str]:
-    """(experiment id, parent run id) of a study, created if absent."""
+def artifact_location(results: Path, uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a local store, <results>/mlartifacts.
+
+    Without it a sqlite store puts them in ./mlruns of whatever directory the sync runs from.
+    A tracking server decides for itself (None).
+    """
+    if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
+        return (Path(results).resolve() / "mlartifacts").as_uri()
+    return None
+
+
+def study_run(client, study: str, artifacts: str | None = None) -> tuple[str, str]:
+    """(experiment id, parent run id) of a study, created if absent (artifacts under `artifacts`)."""
     name = f"klstudy/{study}"
     experiment = client.get_experiment_by_name(name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
+    experiment_id = (experiment.experiment_id if experiment
+                     else client.create_experiment(name, artifact_location=artifacts))
     if experiment is None or experiment.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
         client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
     tags = {TAG_ROLE: "study", TAG_STUDY: study}
@@ -184,7 +196,7 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
     report = SyncReport()
     with sync_lock(results):
         client = client_for(uri)
-        experiment_id, parent_id = study_run(client, study)
+        experiment_id, parent_id = study_run(client, study, artifact_location(results, uri))
         report.parent_run_id = parent_id
         for record in load_runs(results):
             run_id = _child_run(client, experiment_id, parent_id, record, report)

@@ -28,9 +28,12 @@ def child_runs(uri, study):
         [r for r in runs if r.data.tags.get("klstudy.role") == "study"]
 
 
-def test_sync_into_sqlite_logs_everything_once(tmp_path):
+def test_sync_into_sqlite_logs_everything_once(tmp_path, monkeypatch):
     results = write_study(tmp_path / "results")
+    monkeypatch.chdir(tmp_path)
     first = sync(results, "fixture")
+    assert not (tmp_path / "mlruns").exists()  # artifacts stay with the study, not in the working directory
+    assert (results / "mlartifacts").is_dir()
     uri = f"sqlite:///{(results / 'mlflow.db').resolve()}"
     children, parents = child_runs(uri, "fixture")
     assert first.runs_created == 5 and first.steps_logged == 20 and first.evals_logged == 5
