@@ -151,11 +151,10 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def _log_evals(client, run_id: str, record: RunRecord, report: SyncReport) -> None:
+def _log_evals(client, run_id: str, run_tags: dict[str, str], record: RunRecord, report: SyncReport) -> None:
     """Eval scores as metrics at the run's last step; re-logged only when an eval's file changed."""
     from mlflow.entities import Metric, RunTag
 
-    run_tags = client.get_run(run_id).data.tags
     step = len(record.metrics)
     now = int(time.time() * 1000)
     for suite, metrics in record.evals.items():
@@ -202,11 +201,11 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
             run_id = _child_run(client, experiment_id, parent_id, record, report)
             report.child_run_ids[record.run_id] = run_id
             before = report.steps_logged
+            run = client.get_run(run_id)
             _log_steps(client, run_id, record, report)
-            _log_evals(client, run_id, record, report)
+            _log_evals(client, run_id, run.data.tags, record, report)
             _log_curves(client, run_id, record, report, report.steps_logged > before)
-            status = client.get_run(run_id).info.status
-            if record.complete and status != "FINISHED":
+            if record.complete and run.info.status != "FINISHED":
                 client.set_terminated(run_id, "FINISHED")
     log.info("synced %s into %s: %d runs created, %d steps, %d evals", results, uri, report.runs_created,
              report.steps_logged, report.evals_logged)
