@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-COMPLETE = "COMPLETE"  # the trainer's completion marker (trainer.loop.COMPLETE)
+from trainer.run_files import COMPLETE, CONFIG, METRICS, read_metrics
 
 
 @dataclass
@@ -61,29 +61,16 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl lines; a torn last line (a run killed mid-write) is ignored."""
-    if not path.exists():
-        return []
-    lines = []
-    for line in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return lines
-
-
 def load_runs(results: Path) -> list[RunRecord]:
     """Every run under results/runs that has a config, with its evals from results/eval/<id>/<suite>."""
     runs_dir = Path(results) / "runs"
     records = []
     for path in sorted(runs_dir.iterdir()) if runs_dir.is_dir() else []:
-        config_file = path / "config.yaml"
+        config_file = path / CONFIG
         if not config_file.is_file():
             continue
         record = RunRecord(path.name, path, yaml.safe_load(config_file.read_text()) or {},
-                           read_metrics(path / "metrics.jsonl"))
+                           read_metrics(path / METRICS))
         eval_dir = Path(results) / "eval" / path.name
         for suite in sorted(eval_dir.iterdir()) if eval_dir.is_dir() else []:
             if (suite / "metrics.json").is_file():

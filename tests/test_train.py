@@ -263,3 +263,12 @@ def test_minibatches_and_epochs_make_several_off_policy_updates_per_batch(warm_m
     assert seen[0][2] < 1e-4  # recomputed by the trainer: the first update starts at ratio 1
     assert seen[2][2] > 1e-6  # after two updates the policy has moved: a real off-policy ratio
     assert 0.0 <= line["clip_frac"] <= 1.0
+
+
+def test_resume_drops_a_torn_metrics_line(tmp_path):
+    """A run killed in the middle of writing metrics.jsonl leaves a partial last line."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n" + json.dumps({"step": 1}) + "\n"
+                                            + '{"step": 2, "rew')
+    stub = type("Stub", (), {"out": tmp_path})()
+    Run._truncate_metrics(stub, 1)
+    assert metrics(tmp_path) == [{"step": 0}]

@@ -33,12 +33,12 @@ from trainer.objective import compute_loss
 from trainer.progress import progress_bar
 from trainer.rollout import make_engine
 from trainer.rollout.base import Rollouts, SamplingParams
+from trainer.run_files import COMPLETE, CONFIG, METRICS, read_metrics
 from trainer.tasks import DataOrder, Task, make_task
 
 log = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on SIGTERM; run the same command again to resume
-COMPLETE = "COMPLETE"
 TIMING_KEYS = ("step_time", "gen_time", "train_time", "tokens_per_s")  # the only non-reproducible metrics
 
 
@@ -146,7 +146,7 @@ class Run:
     def _claim_directory(self) -> None:
         """Write config.yaml, or check that a run already here was started with the same config."""
         self.out.mkdir(parents=True, exist_ok=True)
-        config_file = self.out / "config.yaml"
+        config_file = self.out / CONFIG
         wanted = self.config.to_dict()
         if config_file.exists():
             existing = yaml.safe_load(config_file.read_text())
@@ -195,11 +195,11 @@ class Run:
         log.info("resumed from checkpoint step_%d", step)
 
     def _truncate_metrics(self, step: int) -> None:
-        """Drop metrics of steps after the checkpoint: they are about to be run again."""
-        path = self.out / "metrics.jsonl"
+        """Drop metrics of steps after the checkpoint (and a torn last line): they are run again."""
+        path = self.out / METRICS
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-            path.write_text("".join(line + "\n" for line in kept))
+            kept = [line for line in read_metrics(path) if line["step"] < step]
+            path.write_text("".join(json.dumps(line) + "\n" for line in kept))
 
     def save_checkpoint(self) -> None:
         self.engine.sync_weights()
@@ -319,7 +319,7 @@ class Run:
     def train(self, sigterm: _SigtermFlag) -> None:
         c = self.config
         self.restore()
-        metrics_file = (self.out / "metrics.jsonl").open("a")
+        metrics_file = (self.out / METRICS).open("a")
         bar = progress_bar(c.train.steps, "train")
         bar.update(self.step)
         try:
