@@ -19,7 +19,14 @@ def is_local(source: str) -> bool:
 
 
 def read_records(source: str, split: str = "train", subset: str | None = None, what: str = "data") -> list[dict]:
-    """Every record of `source`; `what` names the config key in error messages."""
+    """Every record of `source` (at least one); `what` names the config key in error messages."""
+    records = _read(source, split, subset, what)
+    if not records:
+        raise DataError(f"{what}: {source} has no records")
+    return records
+
+
+def _read(source: str, split: str, subset: str | None, what: str) -> list[dict]:
     if is_local(source):
         return _read_file(Path(source).expanduser(), what)
     try:

@@ -68,10 +68,10 @@ def shipped_config(task: str) -> dict[str, Any]:
     """A shipped task YAML with its includes merged (functions left as tags)."""
     path = TASKS_DIR / f"{task}.yaml"
     config = yaml.load(path.read_text(), Loader=_TagLoader)  # noqa: S506 - SafeLoader plus one tag
-    for include in reversed(config.pop("include", []) if isinstance(config.get("include"), list)
-                            else [config.pop("include")] if "include" in config else []):
+    includes = config.pop("include", [])
+    for include in reversed(includes if isinstance(includes, list) else [includes]):
         base = yaml.load((TASKS_DIR / include).read_text(), Loader=_TagLoader)  # noqa: S506
-        config = {**base, **config}
+        config = {**base, **config}  # the including file's keys win
     return config
 
 
@@ -98,8 +98,6 @@ def _check_local_data(task: str, source: str) -> None:
     """Read a local data file now, so that a bad one fails here with one message."""
     what = f"--data {task}"
     records = read_records(source, what=what)
-    if not records:
-        raise DataError(f"{what}: {source} has no records")
     for number, record in enumerate(records, start=1):
         for options in REQUIRED_FIELDS[task]:
             if not isinstance(record, dict) or not any(key in record for key in options):

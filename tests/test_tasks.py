@@ -72,6 +72,14 @@ def test_bad_math_data_gives_one_clear_error(tmp_path, content, message):
         make_task("math", {"path": str(path)})
 
 
+def test_math_limit_must_be_positive(tmp_path):
+    path = tmp_path / "math.jsonl"
+    path.write_text(json.dumps(RECORDS[0]) + "\n")
+    with pytest.raises(TaskDataError, match="task.options.limit: must be a whole number >= 1, got 0"):
+        make_task("math", {"path": str(path), "limit": 0})
+    assert len(make_task("math", {"path": str(path), "limit": 5})) == 1
+
+
 def test_unknown_task_and_options_name_the_key():
     with pytest.raises(TaskDataError, match="task.name: 'gsm8k' is not one of arithmetic, countdown, math"):
         make_task("gsm8k")

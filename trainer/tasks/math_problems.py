@@ -16,14 +16,14 @@ class MathProblems(Task):
 
     def __init__(self, path: str, split: str = "train", subset: str | None = None, problem_key: str = "problem",
                  answer_key: str = "answer", solution_key: str = "solution", limit: int | None = None) -> None:
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise TaskDataError(f"task.options.limit: must be a whole number >= 1, got {limit!r}")
         try:
             records = read_records(path, split, subset, what="task.options.path")
         except DataError as error:
             raise TaskDataError(str(error)) from None
         if limit is not None:
             records = records[:limit]
-        if not records:
-            raise TaskDataError(f"task.options.path: {path} has no records")
         self.problems: list[Problem] = []
         for number, record in enumerate(records, start=1):
             if not isinstance(record, dict) or problem_key not in record:
