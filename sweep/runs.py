@@ -23,6 +23,11 @@ class RunRecord:
     evals: dict[str, dict[str, Any]] = field(default_factory=dict)  # suite -> eval metrics.json
 
     @property
+    def eval_root(self) -> Path:
+        """results/eval/<run id>: one directory per evaluated suite."""
+        return self.path.parent.parent / "eval" / self.run_id
+
+    @property
     def complete(self) -> bool:
         return (self.path / COMPLETE).exists()
 
@@ -71,8 +76,8 @@ def load_runs(results: Path) -> list[RunRecord]:
             continue
         record = RunRecord(path.name, path, yaml.safe_load(config_file.read_text()) or {},
                            read_metrics(path / METRICS))
-        eval_dir = Path(results) / "eval" / path.name
-        for suite in sorted(eval_dir.iterdir()) if eval_dir.is_dir() else []:
+        eval_root = record.eval_root
+        for suite in sorted(eval_root.iterdir()) if eval_root.is_dir() else []:
             if (suite / "metrics.json").is_file():
                 record.evals[suite.name] = json.loads((suite / "metrics.json").read_text())
         records.append(record)

@@ -158,7 +158,7 @@ def _log_evals(client, run_id: str, run_tags: dict[str, str], record: RunRecord,
     step = len(record.metrics)
     now = int(time.time() * 1000)
     for suite, metrics in record.evals.items():
-        eval_dir = record.path.parent.parent / "eval" / record.run_id / suite
+        eval_dir = record.eval_root / suite
         digest, tag = _digest(eval_dir / "metrics.json"), f"klstudy.eval_digest.{suite}"
         if run_tags.get(tag) == digest:
             continue
