@@ -1,5 +1,6 @@
 """Loading models (local directory, offline hub cache) and the toy model."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -71,3 +72,26 @@ def test_hub_ids_load_offline_from_the_local_cache(toy_model, tmp_path):
     missing = _run_offline("from trainer.models import resolve\nresolve('klstudy/absent')", cache)
     assert missing.returncode != 0
     assert "neither a local directory nor in the Hugging Face cache, and HF_HUB_OFFLINE is set" in missing.stderr
+
+
+def test_fetch_model_checks_local_and_cached_models(toy_model, tmp_path):
+    """`trainer fetch-model` (the study's prepare step): a local directory or a cached hub id gives its
+    marker; a missing model fails with the resolver's message and writes none."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--klstudy--toy" / "snapshots" / ("0" * 40)
+    shutil.copytree(toy_model, snapshot)
+    (cache / "models--klstudy--toy" / "refs").mkdir(parents=True)
+    (cache / "models--klstudy--toy" / "refs" / "main").write_text("0" * 40)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "hf_home"))
+
+    def fetch(model: str, ready: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "trainer", "fetch-model", "--model", model, "--ready",
+                               str(tmp_path / ready)], capture_output=True, text=True, env=env, timeout=120)
+
+    assert fetch(str(toy_model), "local.ready").returncode == 0
+    assert json.loads((tmp_path / "local.ready").read_text()) == {"model": str(toy_model), "location": str(toy_model)}
+    assert fetch("klstudy/toy", "hub.ready").returncode == 0
+    assert json.loads((tmp_path / "hub.ready").read_text())["model"] == "klstudy/toy"
+    missing = fetch("klstudy/absent", "absent.ready")
+    assert missing.returncode == 2 and "HF_HUB_OFFLINE is set" in missing.stderr
+    assert not (tmp_path / "absent.ready").exists()

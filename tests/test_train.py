@@ -67,11 +67,14 @@ def wait_for_lines(out, count, process, timeout=300):
     raise AssertionError(f"no {count} metrics lines within {timeout} s")
 
 
+REFERENCE_CHECKPOINTS = {"checkpoint.every": 1, "checkpoint.keep_every": 5}
+
+
 @pytest.fixture(scope="module")
 def reference_run(warm_model, tmp_path_factory):
     """An uninterrupted 20-step run, checkpointing every step (the comparison for resumed runs)."""
     out = tmp_path_factory.mktemp("runs") / "reference"
-    result = train_cli(out, warm_model, **{"checkpoint.every": 1})
+    result = train_cli(out, warm_model, **REFERENCE_CHECKPOINTS)
     assert result.returncode == 0, result.stderr
     return out
 
@@ -88,10 +91,12 @@ def test_toy_run_end_to_end(reference_run, warm_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert AutoModelForCausalLM.from_pretrained(out / "final") and AutoTokenizer.from_pretrained(out / "final")
-    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert kept == ["step_19", "step_20"]  # checkpoint.keep = 2
+    kept = sorted((p.name for p in (out / "checkpoints").iterdir()), key=lambda name: int(name[5:]))
+    assert kept == ["step_5", "step_10", "step_15", "step_19", "step_20"]  # keep = 2, keep_every = 5
+    kept_model = out / "checkpoints" / "step_10" / "model"  # a complete model directory, for evaluation
+    assert AutoModelForCausalLM.from_pretrained(kept_model) and AutoTokenizer.from_pretrained(kept_model)
     before = (out / "metrics.jsonl").read_text()
-    again = train_cli(out, warm_model, **{"checkpoint.every": 1})
+    again = train_cli(out, warm_model, **REFERENCE_CHECKPOINTS)
     assert again.returncode == 0 and "already complete" in again.stderr
     assert (out / "metrics.jsonl").read_text() == before
 

@@ -1,4 +1,4 @@
-"""Command line of the trainer: `python -m trainer audit|toy-model|sft|export-data|train ...`."""
+"""Command line of the trainer: `python -m trainer audit|toy-model|sft|export-data|fetch-model|train ...`."""
 
 from __future__ import annotations
 
@@ -183,6 +183,26 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fetch-model", help="make a model available offline (download a hub id into the cache)",
+                       description="Checks a local model directory, or downloads a hub model into the Hugging "
+                       "Face cache so that offline compute nodes (HF_HUB_OFFLINE=1) can load it; then writes "
+                       "--ready, a small JSON file saying where the model lives.")
+    p.add_argument("--model", required=True, help="model directory or hub id")
+    p.add_argument("--ready", type=Path, required=True, help="JSON marker to write once the model is available")
+    p.set_defaults(func=_run_fetch)
+
+
+def _run_fetch(args: argparse.Namespace) -> int:
+    from trainer.models import fetch
+
+    location = fetch(args.model)
+    args.ready.parent.mkdir(parents=True, exist_ok=True)
+    args.ready.write_text(json.dumps({"model": args.model, "location": location}) + "\n")
+    log.info("%s is available at %s", args.model, location)
+    return 0
+
+
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="RL fine-tuning run (resumes from its newest checkpoint)",
                        description="Runs the RL training described by --config in --out. Every config key "
@@ -209,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     _toy_model_parser(sub)
     _sft_parser(sub)
     _export_parser(sub)
+    _fetch_parser(sub)
     _train_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -11,7 +11,7 @@ from typing import Callable
 
 from torch import Tensor
 
-ADVANTAGES = ("rloo", "grpo", "drgrpo", "reinforce")
+from trainer.choices import ADVANTAGES
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:

@@ -31,13 +31,18 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(handle.fileno())
 
 
-def save(checkpoints_dir: Path, step: int, model, trainer_state: dict[str, Any], keep: int) -> Path:
-    """Write checkpoints/step_<step> atomically, then delete all but the newest `keep`."""
+def save(checkpoints_dir: Path, step: int, model, trainer_state: dict[str, Any], keep: int, keep_every: int = 0,
+         tokenizer=None) -> Path:
+    """Write checkpoints/step_<step> atomically, then delete all but the newest `keep` (a step that is a
+    multiple of `keep_every` is never deleted). With the tokenizer, step_<step>/model is a complete HF
+    model directory that evaluation can load."""
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / f"step_{step}"
     tmp = checkpoints_dir / f".step_{step}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp / "model")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp / "model")
     torch.save(trainer_state, tmp / "trainer_state.pt")
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
@@ -46,6 +51,8 @@ def save(checkpoints_dir: Path, step: int, model, trainer_state: dict[str, Any],
         shutil.rmtree(final)
     os.replace(tmp, final)
     for old in sorted(_steps(checkpoints_dir), reverse=True)[keep:]:
+        if keep_every and old % keep_every == 0:
+            continue
         shutil.rmtree(checkpoints_dir / f"step_{old}", ignore_errors=True)
     return final
 

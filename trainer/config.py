@@ -16,11 +16,8 @@ from typing import Any
 
 import yaml
 
-from trainer.objective import ObjectiveConfig
-from trainer.tasks import TASKS
-
-ENGINES = ("hf", "vllm")
-LR_SCHEDULES = ("constant", "linear", "cosine")
+from trainer.choices import ENGINES, LR_SCHEDULES, TASK_NAMES
+from trainer.objective_config import ObjectiveConfig
 
 
 class ConfigError(ValueError):
@@ -30,6 +27,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""                  # local directory or hub id
+    name: str = ""                  # what studies and reports call it (default: the path's last part)
     dtype: str = "float32"          # float32 | bfloat16 | float16 | auto
     device: str = "cpu"             # cpu | cuda | cuda:N | auto
     chat_template: bool = False     # format prompts with the tokenizer's chat template
@@ -73,6 +71,7 @@ class TrainConfig:
 class CheckpointConfig:
     every: int = 10                 # steps between checkpoints
     keep: int = 2                   # newest checkpoints kept
+    keep_every: int = 0             # also keep every checkpoint at a multiple of this step (0: none)
 
 
 @dataclass(frozen=True)
@@ -183,8 +182,8 @@ def validate(config: RunConfig) -> None:
     m, t, r, c, v = config.model, config.train, config.rollout, config.checkpoint, config.verifier
     if not m.path:
         raise ConfigError("model.path: required (a local model directory or a hub id)")
-    if config.task.name not in TASKS:
-        raise ConfigError(f"task.name: {config.task.name!r} is not one of {', '.join(TASKS)}")
+    if config.task.name not in TASK_NAMES:
+        raise ConfigError(f"task.name: {config.task.name!r} is not one of {', '.join(TASK_NAMES)}")
     if r.engine not in ENGINES:
         raise ConfigError(f"rollout.engine: {r.engine!r} is not one of {', '.join(ENGINES)}")
     if t.lr_schedule not in LR_SCHEDULES:
@@ -197,7 +196,8 @@ def validate(config: RunConfig) -> None:
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
     non_negative = {"train.warmup_steps": t.warmup_steps, "train.async_level": t.async_level,
-                    "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip}
+                    "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
+                    "checkpoint.keep_every": c.keep_every}
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")

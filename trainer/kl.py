@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-ESTIMATORS = ("k1", "k2", "k3")
+from trainer.choices import ESTIMATORS
 
 # exp(x) - 1 + x stays finite for x up to log(finfo.max) minus this margin.
 _EXP_MARGIN = 1.0

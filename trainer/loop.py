@@ -203,7 +203,9 @@ class Run:
 
     def save_checkpoint(self) -> None:
         self.engine.sync_weights()
-        checkpoint.save(self.checkpoints_dir, self.step, self.policy, self.state(), self.config.checkpoint.keep)
+        c = self.config.checkpoint
+        checkpoint.save(self.checkpoints_dir, self.step, self.policy, self.state(), c.keep, c.keep_every,
+                        self.tokenizer)
 
     # --- one step ---------------------------------------------------------------------------
 

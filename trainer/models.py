@@ -76,6 +76,29 @@ def resolve(name_or_path: str) -> tuple[str, bool]:
     return name_or_path, False
 
 
+# What a causal LM needs from a hub repository (no optimizer states, no other formats' weights).
+FETCH_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+
+
+def fetch(name_or_path: str) -> str:
+    """Make a model loadable without the network, and say where it lives.
+
+    A local directory is only checked. A hub id is downloaded into the Hugging Face cache, so that
+    compute nodes without internet (HF_HUB_OFFLINE=1) find it there. Either way its tokenizer is
+    loaded once, so that a wrong model fails here and not in every training job.
+    """
+    source, _ = resolve(name_or_path)
+    if not Path(name_or_path).expanduser().exists() and not _offline():
+        from huggingface_hub import snapshot_download
+
+        try:
+            source = snapshot_download(name_or_path, allow_patterns=list(FETCH_PATTERNS))
+        except Exception as error:  # network, authentication, no such repository: many exception types
+            raise ModelNotFoundError(f"could not download {name_or_path!r}: {error}") from None
+    load_tokenizer(name_or_path)
+    return source
+
+
 def load_tokenizer(name_or_path: str):
     """The tokenizer of a model, with a pad token (the EOS token when it has none)."""
     from transformers import AutoTokenizer

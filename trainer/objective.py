@@ -7,99 +7,15 @@ one implementation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 from torch import Tensor
 
 from trainer import advantages, kl
+from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PLACEMENTS
+from trainer.objective_config import ObjectiveConfig
 
-PLACEMENTS = ("none", "reward", "loss", "reward+loss")
-LOSS_AGGS = ("seq-mean-token-sum", "seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-KL_LOSS_RATIOS = ("none", "detached", "differentiable")
-
-
-def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"ObjectiveConfig.{key}: {value!r} is not one of {', '.join(choices)}")
-
-
-@dataclass(frozen=True)
-class ObjectiveConfig:
-    """What the loss computes. Invalid values raise ValueError naming the field.
-
-    estimator       k1 | k2 | k3 (see trainer.kl)
-    placement       none | reward | loss | reward+loss: where beta x the estimate goes
-    beta            KL coefficient, >= 0 (ignored for placement none)
-    advantage       rloo | grpo | drgrpo | reinforce (see trainer.advantages)
-    grpo_scale      grpo only: divide by the group std (False gives Dr. GRPO's centring)
-    loss_agg        how per-token losses become one number:
-                    seq-mean-token-sum       mean over responses of their token sums (the
-                                             aggregation under which KL_THEORY.md's identities
-                                             are exact)
-                    seq-mean-token-mean      mean over responses of their token means
-                    token-mean               mean over every response token of the batch
-                    seq-mean-token-sum-norm  token sums divided by the fixed `norm_length`
-                                             (Dr. GRPO), then the mean over responses
-    norm_length     the constant of seq-mean-token-sum-norm (e.g. the maximum response length)
-    clip_eps        PPO ratio clipping to [1 - clip_eps, 1 + clip_eps_high]; None = no clipping
-    clip_eps_high   upper clip (DAPO's clip-higher); None = clip_eps
-    kl_loss_ratio   off-policy importance weight on the KL loss term, rho = pi_theta / mu:
-                    none            beta * k                (ignores the behaviour policy)
-                    detached        beta * sg(rho) * k      on-policy meaning under samples of
-                                                            mu, token level; on-policy a no-op
-                    differentiable  beta * rho * k          DeepSeek-V3.2 / TRL
-                                                            use_bias_correction_kl; NOT a no-op
-                                                            on-policy (turns k3 into k2)
-    """
-
-    estimator: str = "k1"
-    placement: str = "reward"
-    beta: float = 0.05
-    advantage: str = "rloo"
-    grpo_scale: bool = True
-    loss_agg: str = "seq-mean-token-sum"
-    norm_length: int | None = None
-    clip_eps: float | None = None
-    clip_eps_high: float | None = None
-    kl_loss_ratio: str = "none"
-
-    def __post_init__(self) -> None:
-        _choice("estimator", self.estimator, kl.ESTIMATORS)
-        _choice("placement", self.placement, PLACEMENTS)
-        _choice("advantage", self.advantage, advantages.ADVANTAGES)
-        _choice("loss_agg", self.loss_agg, LOSS_AGGS)
-        _choice("kl_loss_ratio", self.kl_loss_ratio, KL_LOSS_RATIOS)
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
-            raise ValueError(f"ObjectiveConfig.beta: must be a number, got {self.beta!r}")
-        if not self.beta >= 0 or self.beta == float("inf"):
-            raise ValueError(f"ObjectiveConfig.beta: must be a finite number >= 0, got {self.beta}")
-        if self.loss_agg == "seq-mean-token-sum-norm":
-            if not isinstance(self.norm_length, int) or self.norm_length < 1:
-                raise ValueError(
-                    "ObjectiveConfig.norm_length: seq-mean-token-sum-norm needs a positive "
-                    f"integer norm_length (e.g. the maximum response length), got {self.norm_length!r}"
-                )
-        for key in ("clip_eps", "clip_eps_high"):
-            value = getattr(self, key)
-            if value is not None and not (isinstance(value, (int, float)) and 0 < value):
-                raise ValueError(f"ObjectiveConfig.{key}: must be None or a number > 0, got {value!r}")
-        if self.clip_eps is not None and self.clip_eps >= 1:
-            raise ValueError(f"ObjectiveConfig.clip_eps: must be < 1, got {self.clip_eps}")
-        if self.clip_eps_high is not None and self.clip_eps is None:
-            raise ValueError("ObjectiveConfig.clip_eps_high: set clip_eps too (clip_eps_high only widens it)")
-
-    @property
-    def kl_in_reward(self) -> bool:
-        return self.placement in ("reward", "reward+loss")
-
-    @property
-    def kl_in_loss(self) -> bool:
-        return self.placement in ("loss", "reward+loss")
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+__all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PLACEMENTS", "ObjectiveConfig", "aggregate",
+           "compute_loss"]
 
 
 def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int | None = None) -> Tensor:

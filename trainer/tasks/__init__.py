@@ -5,12 +5,13 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from trainer.choices import TASK_NAMES
 from trainer.tasks.arithmetic import Arithmetic
 from trainer.tasks.base import DataOrder, Problem, Task, TaskDataError
 from trainer.tasks.countdown import Countdown
 from trainer.tasks.math_problems import MathProblems
 
-TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "countdown": Countdown, "math": MathProblems}
+TASKS: dict[str, type[Task]] = dict(zip(TASK_NAMES, (Arithmetic, Countdown, MathProblems), strict=True))
 
 __all__ = ["TASKS", "DataOrder", "Problem", "Task", "TaskDataError", "make_task"]
 
