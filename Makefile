@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The main job. Until the workflow exists it is the exact audit of the objective.
+# The main job: the toy study, end to end, through Snakemake (see the README, "The study").
 study: $(STAMP)
-	$(BIN)/python -m trainer audit --out results/audit
+	$(BIN)/snakemake --profile profiles/local
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -279,6 +279,46 @@ def accuracy_vs_beta_figures(rows: list[Row], tasks: list[str], out: Path) -> li
     return paths
 
 
+def _accuracy_by_step(record: RunRecord, task: str) -> dict[int, float]:
+    """pass@1 of `task` at every evaluated step of a run (kept checkpoints, then the final model)."""
+    points = {step: suites[suite]["tasks"][task]["value"] for step, suites in record.checkpoint_evals.items()
+              for suite in suites if task in suites[suite].get("tasks", {})}
+    points.update({len(record.metrics): value for name, value in record.scores().items() if name == task})
+    return points
+
+
+def accuracy_over_training_figures(records: list[RunRecord], tasks: list[str], out: Path) -> list[Path]:
+    """Per model and beta, when checkpoints were evaluated (evaluate.every): pass@1 against the training
+    step for every configuration (mean over seeds), the no-KL baseline dotted."""
+    plt = _pyplot()
+    groups: dict[tuple[str, str], list[RunRecord]] = {}
+    for record in records:
+        if record.checkpoint_evals:
+            c = record.coords
+            groups.setdefault((c["model"], "-" if c["beta"] is None else f"{c['beta']:g}"), []).append(record)
+    paths = []
+    for (model, beta), members in sorted(groups.items()):
+        if beta == "-":
+            continue
+        members = members + groups.get((model, "-"), [])
+        fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), dpi=110, squeeze=False)
+        for ax, task in zip(axes[0], tasks, strict=True):
+            by_label: dict[str, list[dict[int, float]]] = {}
+            for record in sorted(members, key=_order):
+                by_label.setdefault(record.label, []).append(_accuracy_by_step(record, task))
+            for label, runs in by_label.items():
+                steps = sorted(set.intersection(*(set(r) for r in runs)))
+                ax.plot(steps, [statistics.fmean(r[s] for r in runs) for s in steps], marker="o", label=label,
+                        linestyle=":" if label == "no KL" else "-")
+            ax.set_title(f"{task} pass@1")
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        paths.append(_finish(fig, f"{model}, beta = {beta}: accuracy over training (mean over seeds)",
+                             out / f"accuracy_vs_step_{model}_beta{beta}.png"))
+    return paths
+
+
 def report(results: Path, study: str | None = None, uri: str | None = None,
            collapse_fraction: float = 0.5) -> dict[str, Any]:
     """Write results/tables and results/figures; log them to the study's parent run if `study`."""
@@ -295,6 +335,7 @@ def report(results: Path, study: str | None = None, uri: str | None = None,
     written += audit_tables(results / "audit" / "gradient_audit.csv", tables)
     written += curves_figures(records, figures)
     written += accuracy_vs_beta_figures(rows, tasks, figures)
+    written += accuracy_over_training_figures(records, tasks, figures)
     if study is not None:
         from sweep.tracking import artifact_location, client_for, default_uri, study_run, sync_lock
 

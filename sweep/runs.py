@@ -21,11 +21,19 @@ class RunRecord:
     config: dict[str, Any]
     metrics: list[dict[str, Any]]
     evals: dict[str, dict[str, Any]] = field(default_factory=dict)  # suite -> eval metrics.json
+    checkpoint_evals: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)  # step -> suite -> ...
 
     @property
     def eval_root(self) -> Path:
         """results/eval/<run id>: one directory per evaluated suite."""
         return self.path.parent.parent / "eval" / self.run_id
+
+    def eval_dirs(self) -> list[tuple[int, str, Path]]:
+        """(step, suite, directory) of every evaluation: the final model's at the run's last step, then
+        the kept checkpoints' (results/eval/<id>/step_<N>/<suite>) at their own steps."""
+        final = [(len(self.metrics), suite, self.eval_root / suite) for suite in self.evals]
+        return final + [(step, suite, self.eval_root / f"step_{step}" / suite)
+                        for step, suites in sorted(self.checkpoint_evals.items()) for suite in suites]
 
     @property
     def complete(self) -> bool:
@@ -36,8 +44,9 @@ class RunRecord:
         """The grid coordinates: model, estimator, placement, beta (None without KL), seed."""
         objective = self.config.get("objective", {})
         placement = objective.get("placement", "none")
+        model = self.config.get("model", {})
         return {
-            "model": Path(str(self.config.get("model", {}).get("path", ""))).name or "?",
+            "model": model.get("name") or Path(str(model.get("path", ""))).name or "?",
             "estimator": objective.get("estimator") if placement != "none" else None,
             "placement": placement,
             "beta": objective.get("beta") if placement != "none" else None,
@@ -66,6 +75,14 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _suites(directory: Path) -> dict[str, dict[str, Any]]:
+    """suite -> its metrics.json, for every suite evaluated under `directory`."""
+    if not directory.is_dir():
+        return {}
+    return {suite.name: json.loads((suite / "metrics.json").read_text())
+            for suite in sorted(directory.iterdir()) if (suite / "metrics.json").is_file()}
+
+
 def load_runs(results: Path) -> list[RunRecord]:
     """Every run under results/runs that has a config, with its evals from results/eval/<id>/<suite>."""
     runs_dir = Path(results) / "runs"
@@ -76,9 +93,9 @@ def load_runs(results: Path) -> list[RunRecord]:
             continue
         record = RunRecord(path.name, path, yaml.safe_load(config_file.read_text()) or {},
                            read_metrics(path / METRICS))
-        eval_root = record.eval_root
-        for suite in sorted(eval_root.iterdir()) if eval_root.is_dir() else []:
-            if (suite / "metrics.json").is_file():
-                record.evals[suite.name] = json.loads((suite / "metrics.json").read_text())
+        record.evals = _suites(record.eval_root)
+        for directory in sorted(record.eval_root.glob("step_*")):
+            if directory.name[5:].isdigit() and (suites := _suites(directory)):
+                record.checkpoint_evals[int(directory.name[5:])] = suites
         records.append(record)
     return records

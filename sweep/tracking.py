@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import math
 import os
@@ -152,18 +153,18 @@ def _digest(path: Path) -> str:
 
 
 def _log_evals(client, run_id: str, run_tags: dict[str, str], record: RunRecord, report: SyncReport) -> None:
-    """Eval scores as metrics at the run's last step; re-logged only when an eval's file changed."""
+    """Eval scores as metrics at the evaluated step (the final model's at the run's last step); each is
+    re-logged only when its metrics.json changed."""
     from mlflow.entities import Metric, RunTag
 
-    step = len(record.metrics)
     now = int(time.time() * 1000)
-    for suite, metrics in record.evals.items():
-        eval_dir = record.eval_root / suite
-        digest, tag = _digest(eval_dir / "metrics.json"), f"klstudy.eval_digest.{suite}"
+    for step, suite, eval_dir in record.eval_dirs():
+        where = suite if eval_dir.parent == record.eval_root else f"{eval_dir.parent.name}/{suite}"
+        digest, tag = _digest(eval_dir / "metrics.json"), f"klstudy.eval_digest.{where.replace('/', '.')}"
         if run_tags.get(tag) == digest:
             continue
         values = []
-        for task, row in metrics.get("tasks", {}).items():
+        for task, row in json.loads((eval_dir / "metrics.json").read_text()).get("tasks", {}).items():
             values.append(Metric(f"eval/{suite}/{task}/pass_at_1", float(row["value"]), now, step))
             if row.get("stderr") is not None:
                 values.append(Metric(f"eval/{suite}/{task}/pass_at_1_stderr", float(row["stderr"]), now, step))
@@ -172,7 +173,7 @@ def _log_evals(client, run_id: str, run_tags: dict[str, str], record: RunRecord,
                                      float(row["pass@k"]["value"]), now, step))
         client.log_batch(run_id, metrics=values, tags=[RunTag(tag, digest)])
         if (eval_dir / "samples.jsonl").exists():
-            client.log_artifact(run_id, str(eval_dir / "samples.jsonl"), artifact_path=f"eval/{suite}")
+            client.log_artifact(run_id, str(eval_dir / "samples.jsonl"), artifact_path=f"eval/{where}")
             report.artifacts_logged += 1
         report.evals_logged += 1
 

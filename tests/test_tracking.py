@@ -30,13 +30,16 @@ def child_runs(uri, study):
 
 def test_sync_into_sqlite_logs_everything_once(tmp_path, monkeypatch):
     results = write_study(tmp_path / "results")
+    checkpoint_eval = results / "eval" / "toy__k1-reward__b0.05__s1" / "step_2" / "all"  # evaluate.every
+    checkpoint_eval.mkdir(parents=True)
+    (checkpoint_eval / "metrics.json").write_text(json.dumps({"tasks": {"math500": {"value": 0.6, "stderr": 0.01}}}))
     monkeypatch.chdir(tmp_path)
     first = sync(results, "fixture")
     assert not (tmp_path / "mlruns").exists()  # artifacts stay with the study, not in the working directory
     assert (results / "mlartifacts").is_dir()
     uri = f"sqlite:///{(results / 'mlflow.db').resolve()}"
     children, parents = child_runs(uri, "fixture")
-    assert first.runs_created == 5 and first.steps_logged == 20 and first.evals_logged == 5
+    assert first.runs_created == 5 and first.steps_logged == 20 and first.evals_logged == 6
     assert len(children) == 5 and len(parents) == 1
     experiment = client(uri).get_experiment_by_name("klstudy/fixture")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on runs
@@ -45,6 +48,8 @@ def test_sync_into_sqlite_logs_everything_once(tmp_path, monkeypatch):
     assert run.data.tags["klstudy.estimator"] == "k1" and run.data.tags["klstudy.beta"] == "0.05"
     assert run.data.params["objective.placement"] == "reward" and run.data.params["train.seed"] == "1"
     assert run.data.metrics["eval/all/math500/pass_at_1"] == 0.7 and run.info.status == "FINISHED"
+    accuracy = client(uri).get_metric_history(run.info.run_id, "eval/all/math500/pass_at_1")
+    assert sorted((m.step, m.value) for m in accuracy) == [(2, 0.6), (4, 0.7)]  # checkpoint, then final model
     history = client(uri).get_metric_history(run.info.run_id, "reward_mean")
     assert sorted((m.step, m.value) for m in history) == [(0, 0.2), (1, 0.4), (2, 0.6), (3, 0.8)]
     artifacts = {a.path for a in client(uri).list_artifacts(run.info.run_id)}

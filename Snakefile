@@ -1,0 +1,80 @@
+"""klstudy's study DAG: prepare -> train (one job per grid point) -> evaluate -> track -> report.
+
+The study config (default workflow/config/toy.yaml; another with --configfile) is validated twice
+before any job starts: by workflow/config/schema.yaml, then by sweep.grid, which also validates
+every run's trainer config. Every rule calls a package CLI, so each job is a command a person can
+run by hand. The run directories are the state: re-running the same command finishes only what
+is missing, and a training job resumes from its newest checkpoint.
+"""
+
+import json
+import re
+import sys
+
+from snakemake.utils import min_version, validate
+
+from sweep.grid import StudyError, load_study
+
+min_version("9.0")
+
+
+# The toy study unless --configfile names another (Snakemake would otherwise merge the two).
+if not workflow.config_settings.configfiles:
+
+    configfile: "workflow/config/toy.yaml"
+
+
+validate(config, "workflow/config/schema.yaml")
+try:
+    STUDY = load_study(config)
+except StudyError as error:
+    raise WorkflowError(f"study config: {error}") from None
+
+PY = sys.executable  # the interpreter Snakemake runs in, so jobs see the same environment
+RESULTS = STUDY.results
+LOGS = RESULTS / "logs"
+RUN_IDS = [run.run_id for run in STUDY.runs]
+
+
+wildcard_constraints:
+    run="[^/]+",
+    suite="[^/]+",
+    model="[^/]+",
+    name="[^/]+",
+    step="[0-9]+",
+
+
+def _per_model(rule, key):
+    """Whether some model sets its own value of a rule's resource (then it is looked up per job)."""
+    return any(key in model.resources.get(rule, {}) for model in STUDY.models.values())
+
+
+def _resource(rule, key, per_model):
+    if not (per_model and _per_model(rule, key)):
+        return STUDY.resources[rule].get(key)  # a plain value: cheaper for Snakemake than a function
+    return lambda wildcards: STUDY.resources_for(rule, STUDY.run(wildcards.run).model).get(key)
+
+
+def rule_resources(rule, per_model=False):
+    """A rule's resources from the study config (`gpus` is Snakemake's `gpu`; `cpus` are its threads)."""
+    keys = set(STUDY.resources[rule])
+    if per_model:
+        keys |= {key for model in STUDY.models.values() for key in model.resources.get(rule, {})}
+    return {("gpu" if key == "gpus" else key): _resource(rule, key, per_model) for key in sorted(keys)
+            if key != "cpus"}
+
+
+def rule_threads(rule, per_model=False):
+    return _resource(rule, "cpus", per_model)
+
+
+include: "workflow/rules/prepare.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        rules.report.output,

@@ -1,0 +1,211 @@
+"""The Snakemake study, run for real: a reduced toy grid end to end, interrupted by a real signal and
+resumed; bad study configs stopped before any job; the paper study's DAG."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sweep.grid import StudyError, load_study, run_id
+from trainer.run_files import COMPLETE, read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
+LOCAL = ["--profile", str(REPO / "profiles" / "local"), "--cores", "2"]
+
+REDUCED = {
+    "study": "toy-test",
+    "results": "results",
+    "models": {"toy-sft": {"build": {"toy": {}, "sft": {"task": "arithmetic", "options": {"max_operand": 9},
+                                                          "steps": 60}}}},
+    "grid": {"estimators": ["k1", "k3"], "placements": ["reward", "loss"], "betas": [0.1], "seeds": [0],
+             "exclude": [{"estimator": "k1", "placement": "loss"}]},
+    "run": {"task": {"name": "arithmetic", "options": {"max_operand": 9}}, "rollout": {"max_new_tokens": 4,
+            "stop": ["\n"]}, "train": {"steps": 6, "prompts_per_step": 8, "group_size": 4, "lr": 3e-4},
+            "checkpoint": {"every": 3}},
+    "data": {"heldout": {"task": "arithmetic", "options": {"max_operand": 9, "seed": 1}, "n": 20}},
+    "evaluate": {"suites": ["toy"], "samples": 2, "every": 3, "data": {"arith": "heldout"}},
+}
+REDUCED_RUNS = ["toy-sft__k1-reward__b0.1__s0", "toy-sft__k3-reward__b0.1__s0", "toy-sft__k3-loss__b0.1__s0",
+                "toy-sft__none__s0"]
+
+
+def write_config(directory: Path, config: dict) -> Path:
+    path = directory / "study.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def snakemake(directory: Path, config: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*SNAKEMAKE, *LOCAL, "--directory", str(directory), "--configfile", str(config), *args],
+                          capture_output=True, text=True, timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+
+
+def jobs_run(log: str, rule: str) -> list[str]:
+    """The `run` wildcard of every job of `rule` that a Snakemake log shows starting."""
+    return [run for run, _ in _jobs(log, rule)]
+
+
+def jobs_finished(log: str, rule: str) -> list[str]:
+    """The `run` wildcard of every job of `rule` that a Snakemake log shows finishing."""
+    done = set(re.findall(rf"Finished jobid: (\d+) \(Rule: {rule}\)", log))
+    return [run for run, jobid in _jobs(log, rule) if jobid in done]
+
+
+def _jobs(log: str, rule: str) -> list[tuple[str, str]]:
+    found = []
+    for block in re.split(r"\n(?=\[)", log):
+        if re.search(rf"^(local)?rule {rule}:", block, re.M):
+            found.append((re.search(r"wildcards: run=([^,\s]+)", block).group(1),
+                          re.search(r"jobid: (\d+)", block).group(1)))
+    return found
+
+
+# --- grid expansion (no Snakemake) -----------------------------------------------------------------
+
+
+def test_grid_deduplicates_the_baseline_and_names_runs_stably():
+    study = load_study(yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text()))
+    ids = [r.run_id for r in study.runs]
+    assert len(ids) == 9 * 2 * 2 + 2 and len(set(ids)) == len(ids)  # one baseline per seed, not per beta
+    assert "toy-sft__k3-reward+loss__b0.05__s1" in ids and "toy-sft__none__s0" in ids
+    none = study.run("toy-sft__none__s0")
+    assert none.config["objective"] == {"advantage": "rloo", "placement": "none"}
+    k3 = study.run("toy-sft__k3-loss__b0.5__s1")
+    assert k3.config["objective"] == {"advantage": "rloo", "placement": "loss", "estimator": "k3", "beta": 0.5}
+    assert k3.config["train"]["seed"] == 1 and k3.config["model"] == {"path": "results/models/toy-sft",
+                                                                       "name": "toy-sft"}
+    assert run_id("m", "k1", "reward", 1.0, 0) == "m__k1-reward__b1__s0"  # 1.0 and 1 name the same run
+
+
+def test_grid_include_and_exclude():
+    config = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
+    config["grid"].update(exclude=[{"placement": "reward+loss"}, {"estimator": "k2", "beta": 0.5}],
+                          include=[{"estimator": "k2", "placement": "reward", "beta": [0.5, 2], "seed": 7}])
+    ids = [r.run_id for r in load_study(config).runs]
+    assert not any("reward+loss" in i for i in ids)
+    assert "toy-sft__k2-loss__b0.5__s0" not in ids and "toy-sft__k2-loss__b0.05__s0" in ids
+    assert "toy-sft__k2-reward__b2__s7" in ids and "toy-sft__k2-reward__b0.5__s7" not in ids  # excluded again
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"grid": {"estimators": ["k4"], "betas": [0.1]}}, "grid.estimators[0]"),
+    ({"grid": {"betas": [0.1], "sedes": [0]}}, "grid.sedes"),
+    ({"run": {"train": {"stepz": 3}}}, "run.train.stepz"),
+    ({"run": {"objective": {"loss_agg": "sum"}}}, "run.objective.loss_agg"),
+    ({"models": {"toy-sft": {"path": "x", "run": {"train": {"lr": -1}}}}}, "models.toy-sft.run.train.lr"),
+    ({"evaluate": {"suites": ["toy"], "data": {}}}, "evaluate.data.arith"),
+    ({"evaluate": {"every": 7}}, "evaluate.every"),
+    ({"models": {"a__b": {"path": "x"}}}, "models.a__b"),
+])
+def test_bad_study_configs_name_the_key(change, key):
+    config = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
+    for section, value in change.items():
+        config[section] = value if section == "models" else {**config.get(section, {}), **value}
+    with pytest.raises(StudyError) as error:
+        load_study(config)
+    assert str(error.value).startswith(key), str(error.value)
+
+
+# --- Snakemake itself ----------------------------------------------------------------------------
+
+
+def test_bad_study_config_stops_snakemake_before_any_job(tmp_path):
+    config = json.loads(json.dumps(REDUCED))
+    config["run"]["train"]["stepz"] = 3  # the JSON schema lets run sections through; sweep.grid does not
+    result = snakemake(tmp_path, write_config(tmp_path, config))
+    assert result.returncode != 0
+    assert "run.train.stepz: unknown key" in result.stderr + result.stdout
+    assert not (tmp_path / "results").exists()  # nothing ran
+
+    config = json.loads(json.dumps(REDUCED))
+    config["grid"]["placements"] = ["everywhere"]  # the schema's own check
+    result = snakemake(tmp_path, write_config(tmp_path, config))
+    assert result.returncode != 0 and "everywhere" in result.stderr + result.stdout
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("name, runs, checkpoint_steps", [
+    ("paper", 3 * (3 * 3 * 4 + 1) * 3, 0),  # models x (estimators x placements x betas + baseline) x seeds
+    ("paper_offpolicy", 3 * 3 + 1, 4),       # evaluated at steps 50, 100, 150 and 200 too
+])
+def test_paper_dry_run_lists_the_full_grid(tmp_path, name, runs, checkpoint_steps):
+    start = time.perf_counter()
+    result = snakemake(tmp_path, REPO / "workflow" / "config" / f"{name}.yaml", "-n", "--quiet", "rules")
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", result.stdout + result.stderr, re.M)}
+    assert counts["train"] == runs
+    assert counts["evaluate"] == runs * 2  # in-domain and out-of-domain
+    assert counts.get("evaluate_checkpoint", 0) == runs * 2 * checkpoint_steps
+    assert counts["fetch_model"] == len(yaml.safe_load((REPO / "workflow" / "config" / f"{name}.yaml").read_text())
+                                        ["models"])
+    assert not (tmp_path / "results").exists()
+    print(f"{name}.yaml dry run: {elapsed:.1f} s")
+
+
+@pytest.mark.slow
+def test_reduced_toy_study_interrupted_and_resumed(tmp_path):
+    config = write_config(tmp_path, REDUCED)
+    results = tmp_path / "results"
+    log = (tmp_path / "first.log").open("w")
+    process = subprocess.Popen([*SNAKEMAKE, *LOCAL, "--directory", str(tmp_path), "--configfile", str(config)],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # Interrupt once Snakemake has seen a training job finish and another run is mid-way (its first
+    # checkpoint written, not yet complete).
+    deadline = time.monotonic() + 480
+    while time.monotonic() < deadline and process.poll() is None:
+        runs = [results / "runs" / r for r in REDUCED_RUNS]
+        midway = [r for r in runs if (r / "checkpoints" / "step_3").exists() and not (r / COMPLETE).exists()]
+        if midway and jobs_finished((tmp_path / "first.log").read_text(), "train"):
+            break
+        time.sleep(0.1)
+    assert process.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: SIGINT to Snakemake and its running jobs
+    assert process.wait(timeout=120) != 0
+    log.close()
+    interrupted = [r.name for r in midway if not (r / COMPLETE).exists()]
+    assert interrupted
+    first = (tmp_path / "first.log").read_text()
+    finished_before = {name: (results / "runs" / name / COMPLETE).stat().st_mtime_ns
+                       for name in jobs_finished(first, "train")}
+    assert finished_before and len(finished_before) < len(REDUCED_RUNS), first[-3000:]
+
+    second = snakemake(tmp_path, config)
+    assert second.returncode == 0, second.stderr[-5000:]
+    retrained = jobs_run(second.stderr, "train")
+    assert sorted(retrained) == sorted(set(REDUCED_RUNS) - set(finished_before))  # only what was missing
+    for name, mtime in finished_before.items():
+        assert (results / "runs" / name / COMPLETE).stat().st_mtime_ns == mtime
+    for name in REDUCED_RUNS:  # every step exactly once, resumed or not
+        assert [m["step"] for m in read_metrics(results / "runs" / name / "metrics.jsonl")] == list(range(6))
+    for name in interrupted:  # cut off mid-way: resumed from its checkpoint, not started over
+        assert "resumed from checkpoint step_3" in (results / "logs" / "train" / f"{name}.log").read_text()
+
+    for name in REDUCED_RUNS:
+        final = json.loads((results / "eval" / name / "toy" / "metrics.json").read_text())
+        assert final["tasks"]["arith"]["n"] == 20
+        assert (results / "eval" / name / "step_3" / "toy" / "metrics.json").is_file()
+    table = (results / "tables" / "results.md").read_text()
+    assert "k3-reward" in table and "k3-loss" in table and "no KL" in table
+    assert "unbiased" in (results / "tables" / "gradient_audit.md").read_text()
+    assert (results / "mlflow.db").is_file()
+    figures = {p.name for p in (results / "figures").iterdir()}
+    assert {"curves_toy-sft_beta0.1.png", "accuracy_vs_beta_toy-sft.png", "accuracy_vs_step_toy-sft_beta0.1.png"} \
+        <= figures
+    tracked = json.loads((results / "tracking" / "toy-test.json").read_text())
+    assert len(tracked["child_run_ids"]) == len(REDUCED_RUNS)
+
+    # Finished is finished: nothing to do, even after the package's code and docs change.
+    os.utime(REPO / "trainer" / "loop.py")
+    again = snakemake(tmp_path, config, "-n")
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr

@@ -1,0 +1,87 @@
+# prepare: base models (built here, or fetched into the Hugging Face cache), evaluation data,
+# and the exact gradient audit that the report puts beside the study's results.
+
+
+def _built(model):
+    return STUDY.models[model].build
+
+
+def _options(options):
+    return [f"{key}={json.dumps(value)}" for key, value in (options or {}).items()]
+
+
+rule build_model:
+    """The tiny character-level Llama, warmed up with supervised steps so that RL has a reward."""
+    output:
+        ready=RESULTS / "models" / "{model}.ready",
+    wildcard_constraints:
+        model="|".join(re.escape(m) for m, spec in STUDY.models.items() if spec.build) or "(?!)",
+    params:
+        base=lambda wc: STUDY.model_dir(wc.model).with_name(f"{wc.model}.base"),
+        out=lambda wc: STUDY.model_dir(wc.model),
+        toy=lambda wc: [f"--{k.replace('_', '-')}={v}" for k, v in _built(wc.model)["toy"].items()],
+        sft=lambda wc: [f"--{k.replace('_', '-')}={v}" for k, v in _built(wc.model).get("sft", {}).items()
+                        if k != "options"],
+        options=lambda wc: [f"--option={o}" for o in _options(_built(wc.model).get("sft", {}).get("options"))],
+    log:
+        LOGS / "prepare" / "{model}.log",
+    threads: rule_threads("prepare")
+    resources:
+        **rule_resources("prepare"),
+    shell:
+        "({PY} -m trainer toy-model --out {params.base} {params.toy:q}"
+        " && {PY} -m trainer sft --model {params.base} --out {params.out} {params.sft:q} {params.options:q}"
+        " && rm -rf {params.base}"
+        " && {PY} -m trainer fetch-model --model {params.out} --ready {output.ready}) > {log} 2>&1"
+
+
+rule fetch_model:
+    """A local model directory is checked; a hub model is downloaded into the Hugging Face cache."""
+    output:
+        ready=RESULTS / "models" / "{model}.ready",
+    wildcard_constraints:
+        model="|".join(re.escape(m) for m, spec in STUDY.models.items() if not spec.build) or "(?!)",
+    params:
+        path=lambda wc: STUDY.models[wc.model].path,
+    log:
+        LOGS / "prepare" / "{model}.log",
+    threads: rule_threads("prepare")
+    resources:
+        **rule_resources("prepare"),
+    shell:
+        "{PY} -m trainer fetch-model --model {params.path:q} --ready {output.ready} > {log} 2>&1"
+
+
+rule prepare_data:
+    """Evaluation problems of a task, written in the record format of its evaluation task."""
+    output:
+        RESULTS / "data" / "{name}.jsonl",
+    params:
+        task=lambda wc: STUDY.data[wc.name]["task"],
+        n=lambda wc: STUDY.data[wc.name]["n"],
+        start=lambda wc: STUDY.data[wc.name]["start"],
+        options=lambda wc: [f"--option={o}" for o in _options(STUDY.data[wc.name]["options"])],
+    log:
+        LOGS / "prepare" / "data-{name}.log",
+    threads: rule_threads("prepare")
+    resources:
+        **rule_resources("prepare"),
+    shell:
+        "{PY} -m trainer export-data --task {params.task} {params.options:q} --n {params.n}"
+        " --start {params.start} --out {output} > {log} 2>&1"
+
+
+rule audit:
+    """The exact gradient audit of every estimator x placement (the report's gradient-audit table); the
+    slower convergence audit is `python -m trainer audit` without --skip-convergence."""
+    output:
+        RESULTS / "audit" / "gradient_audit.csv",
+    params:
+        out=RESULTS / "audit",
+    log:
+        LOGS / "prepare" / "audit.log",
+    threads: rule_threads("prepare")
+    resources:
+        **rule_resources("prepare"),
+    shell:
+        "{PY} -m trainer audit --skip-convergence --out {params.out} > {log} 2>&1"
