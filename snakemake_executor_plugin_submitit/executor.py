@@ -1,0 +1,120 @@
+"""The Executor: submit through submitit, watch SLURM's job states, cancel on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import AsyncGenerator, List
+
+import submitit
+from snakemake_interface_common.exceptions import WorkflowError
+from snakemake_interface_executor_plugins.executors.base import SubmittedJobInfo
+from snakemake_interface_executor_plugins.executors.remote import RemoteExecutor
+from snakemake_interface_executor_plugins.jobs import JobExecutorInterface
+
+from snakemake_executor_plugin_submitit.command import JobCommand
+from snakemake_executor_plugin_submitit.resources import signature, slurm_parameters
+
+# SLURM states (sacct) of a job that is over, and whether it succeeded.
+SUCCESS = {"COMPLETED"}
+FAILURE = {"FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "REVOKED",
+           "SPECIAL_EXIT"}
+
+
+def parse_sbatch(text: str | None) -> dict[str, str]:
+    """'exclusive=,mail-type=END' -> {'exclusive': '', 'mail_type': 'END'} (submitit's spelling)."""
+    extra = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise WorkflowError(f"--submitit-sbatch {item!r}: expected KEY=VALUE (KEY= for a flag)")
+        extra[key.strip().lstrip("-").replace("-", "_")] = value.strip()
+    return extra
+
+
+class Executor(RemoteExecutor):
+    def __post_init__(self) -> None:
+        settings = self.workflow.executor_settings
+        folder = settings.folder or Path(".snakemake") / "submitit" / time.strftime(f"%Y%m%d-%H%M%S-{os.getpid()}")
+        self.folder = Path(folder).absolute()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.submitit = submitit.SlurmExecutor(folder=self.folder, max_num_timeout=settings.max_timeouts)
+        except RuntimeError as error:  # no srun on this host
+            raise WorkflowError(f"submitit executor: {error}") from None
+        self.defaults = {"partition": settings.partition, "account": settings.account, "qos": settings.qos}
+        self.extra = parse_sbatch(settings.sbatch)
+        self.settings = settings
+        self.logger.info(f"submitit: job scripts and logs in {self.folder}")
+
+    # --- submission ----------------------------------------------------------------------------
+
+    def run_jobs(self, jobs: List[JobExecutorInterface]) -> None:
+        """Ready jobs of the same rule with the same resources go out together, as one job array."""
+        groups: dict[tuple, list[JobExecutorInterface]] = {}
+        for job in jobs:
+            self.run_job_pre(job)
+            groups.setdefault((job.name, signature(self._parameters(job))), []).append(job)
+        for members in groups.values():
+            self._submit(members)
+
+    def run_job(self, job: JobExecutorInterface) -> None:
+        self._submit([job])
+
+    def _parameters(self, job: JobExecutorInterface) -> dict:
+        return slurm_parameters(job.resources, job.threads, self.defaults)
+
+    def _submit(self, jobs: List[JobExecutorInterface]) -> None:
+        params = self._parameters(jobs[0])
+        self.submitit.update_parameters(
+            job_name=f"smk-{jobs[0].name}", signal_delay_s=self.settings.signal_delay,
+            array_parallelism=self.settings.array_parallelism, additional_parameters=dict(self.extra), **params)
+        grace = max(10.0, self.settings.signal_delay - 20.0)
+        commands = [JobCommand(self.format_job_exec(job), grace) for job in jobs]
+        try:
+            if len(commands) == 1:
+                submitted = [self.submitit.submit(commands[0])]
+            else:
+                with self.submitit.batch():
+                    pending = [self.submitit.submit(command) for command in commands]
+                submitted = pending
+        except Exception as error:  # sbatch refused: bad partition, account, resources...
+            raise WorkflowError(f"submitit could not submit {len(jobs)} {jobs[0].name} job(s): {error}") from None
+        for job, handle in zip(jobs, submitted, strict=True):
+            self.report_job_submission(SubmittedJobInfo(job, external_jobid=handle.job_id,
+                                                        aux={"submitit": handle, "submitted": time.time()}))
+
+    # --- status ----------------------------------------------------------------------------------
+
+    async def check_active_jobs(self, active_jobs: List[SubmittedJobInfo]) -> AsyncGenerator[SubmittedJobInfo, None]:
+        if not active_jobs:
+            return
+        async with self.status_rate_limiter:
+            submitit.SlurmJob.watcher.update()  # one sacct call for every job of this run
+        for info in active_jobs:
+            handle: submitit.SlurmJob = info.aux["submitit"]
+            state = handle.get_info(mode="cache").get("State", "UNKNOWN").split()[0].upper()
+            if state in SUCCESS:
+                self.report_job_success(info)
+            elif state in FAILURE:
+                self.report_job_error(info, msg=self._failure_message(handle, state),
+                                      aux_logs=[str(handle.paths.stderr)])
+            else:  # PENDING, RUNNING, REQUEUED, COMPLETING, PREEMPTED, UNKNOWN (not in sacct yet)
+                yield info
+
+    def _failure_message(self, handle: submitit.SlurmJob, state: str) -> str:
+        reason = ""
+        if state == "TIMEOUT":
+            reason = f" (time limit reached, requeued at most {self.settings.max_timeouts} times)"
+        return (f"SLURM job {handle.job_id} ended {state}{reason}. Its log: {handle.paths.stderr} "
+                f"(stdout: {handle.paths.stdout}). ")
+
+    # --- cancel ------------------------------------------------------------------------------------
+
+    def cancel_jobs(self, active_jobs: List[SubmittedJobInfo]) -> None:
+        """Ctrl-C: scancel every job of this run that is still queued or running."""
+        for info in active_jobs:
+            info.aux["submitit"].cancel(check=False)

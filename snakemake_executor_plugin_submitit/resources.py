@@ -1,0 +1,38 @@
+"""Snakemake job resources -> submitit's SlurmExecutor parameters."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+# Snakemake resource -> SlurmExecutor parameter, for the ones that pass through unchanged.
+_DIRECT = {
+    "nodes": "nodes",
+    "tasks": "ntasks_per_node",
+    "slurm_partition": "partition",
+    "slurm_account": "account",
+    "slurm_qos": "qos",
+    "constraint": "constraint",
+}
+
+
+def slurm_parameters(resources: Mapping[str, Any], threads: int, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The sbatch parameters of one job. `defaults` (partition, account, qos from the executor
+    settings) apply where the job's resources say nothing."""
+    params: dict[str, Any] = {key: value for key, value in defaults.items() if value not in (None, "")}
+    params["cpus_per_task"] = max(1, int(threads))
+    gpus = resources.get("gpus", resources.get("gpu"))
+    if gpus:
+        params["gpus_per_node"] = int(gpus)
+    if resources.get("mem_mb"):
+        params["mem"] = f"{int(resources['mem_mb'])}M"
+    if resources.get("runtime"):
+        params["time"] = int(resources["runtime"])  # minutes
+    for resource, parameter in _DIRECT.items():
+        if resources.get(resource) not in (None, ""):
+            params[parameter] = resources[resource]
+    return params
+
+
+def signature(params: Mapping[str, Any]) -> tuple:
+    """Jobs with equal signatures can share one job array."""
+    return tuple(sorted((key, str(value)) for key, value in params.items()))

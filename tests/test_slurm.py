@@ -1,0 +1,215 @@
+"""The submitit executor against a real one-node SLURM cluster (profiles/slurm/local-cluster.sh up).
+
+Without a cluster these tests skip, unless KLSTUDY_REQUIRE_SLURM=1 (set by .ci/run, which brings the
+cluster up): then a missing cluster is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from snakemake_executor_plugin_submitit.executor import parse_sbatch
+from snakemake_executor_plugin_submitit.resources import signature, slurm_parameters
+from trainer.loop import TIMING_KEYS
+from trainer.run_files import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
+# Status checks every second, not every 10 s as on a real cluster.
+SLURM = ["--profile", str(REPO / "profiles" / "slurm"), "--seconds-between-status-checks", "1",
+         "--max-status-checks-per-second", "10", "--latency-wait", "5"]
+
+SMALL = yaml.safe_load((REPO / "benchmarks" / "slurm_study.yaml").read_text())
+SMALL_RUNS = ["toy-sft__k1-reward__b0.1__s0", "toy-sft__none__s0"]
+
+
+def cluster_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
+    return state.returncode == 0 and any(s.strip() in ("idle", "mix", "alloc") for s in state.stdout.split())
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if not cluster_up():
+        if os.environ.get("KLSTUDY_REQUIRE_SLURM") == "1":
+            pytest.fail("no SLURM cluster: run profiles/slurm/local-cluster.sh up")
+        pytest.skip("no SLURM cluster (profiles/slurm/local-cluster.sh up starts one)")
+
+
+def write_config(directory: Path, config: dict) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "study.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def snakemake(directory: Path, config: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([*SNAKEMAKE, *args, "--directory", str(directory), "--configfile", str(config)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def squeue() -> list[str]:
+    return subprocess.run(["squeue", "-h", "-o", "%i %T %j"], capture_output=True, text=True).stdout.split("\n")[:-1]
+
+
+def comparable(run: Path) -> list[dict]:
+    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in read_metrics(run / "metrics.jsonl")]
+
+
+# --- the plugin's own parts ----------------------------------------------------------------------
+
+
+def test_resources_map_to_sbatch_parameters():
+    params = slurm_parameters({"gpu": 2, "mem_mb": 64000, "runtime": 240, "slurm_partition": "gpu", "nodes": 1,
+                               "tasks": 1, "constraint": "a100", "slurm_account": "lab"}, 8,
+                              {"partition": "cpu", "account": None, "qos": "normal"})
+    assert params == {"partition": "gpu", "qos": "normal", "cpus_per_task": 8, "gpus_per_node": 2, "mem": "64000M",
+                      "time": 240, "nodes": 1, "ntasks_per_node": 1, "constraint": "a100", "account": "lab"}
+    assert slurm_parameters({"gpus": 1}, 1, {})["gpus_per_node"] == 1
+    assert "gpus_per_node" not in slurm_parameters({"gpu": 0}, 1, {})
+    assert signature(slurm_parameters({"mem_mb": 10}, 1, {})) != signature(slurm_parameters({"mem_mb": 20}, 1, {}))
+    assert parse_sbatch("exclusive=, mail-type=END") == {"exclusive": "", "mail_type": "END"}
+
+
+def test_checkpoint_stops_the_command_gently_then_hands_back_the_same_command(tmp_path):
+    """What a job does when SLURM warns of its time limit: SIGTERM to the command's whole process group
+    (here a shell that saves its state on SIGTERM, and a grandchild), wait for it, requeue the same command."""
+    import threading
+
+    from snakemake_executor_plugin_submitit.command import JobCommand, JobFailed
+
+    saved = tmp_path / "saved"
+    command = JobCommand(f"trap 'echo step > {saved}; exit 75' TERM; sleep 60 & wait", grace_s=20)
+    outcome = {}
+
+    def call():
+        try:
+            command()
+        except JobFailed as error:
+            outcome["error"] = str(error)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    while command._process is None:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the shell has set its trap
+    start = time.monotonic()
+    requeued = command.checkpoint()
+    thread.join(timeout=10)
+    assert saved.read_text() == "step\n" and time.monotonic() - start < 10  # stopped gently, not at the deadline
+    assert outcome["error"] == "the job's command exited with status 75"
+    assert requeued.function.command == command.command and requeued.function is not command
+
+
+def test_plugin_settings_appear_in_snakemake_help(tmp_path):
+    result = subprocess.run([*SNAKEMAKE, "--help"], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for option in ("--submitit-folder", "--submitit-partition", "--submitit-account", "--submitit-qos",
+                   "--submitit-array-parallelism", "--submitit-max-timeouts", "--submitit-signal-delay",
+                   "--submitit-sbatch"):
+        assert option in result.stdout, option
+    assert "SNAKEMAKE_SUBMITIT_PARTITION" in result.stdout and "SNAKEMAKE_SUBMITIT_ACCOUNT" in result.stdout
+
+
+# --- against the cluster -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_small_study_on_slurm_gives_the_local_outputs(slurm, tmp_path):
+    config = SMALL
+    local_start = time.monotonic()
+    local = snakemake(tmp_path / "local", write_config(tmp_path / "local", config), "--profile",
+                      str(REPO / "profiles" / "local"), "--cores", "2")
+    local_s = time.monotonic() - local_start
+    assert local.returncode == 0, local.stderr[-4000:]
+    cluster_start = time.monotonic()
+    cluster = snakemake(tmp_path / "slurm", write_config(tmp_path / "slurm", config), *SLURM)
+    cluster_s = time.monotonic() - cluster_start
+    assert cluster.returncode == 0, cluster.stderr[-4000:]
+    assert "submitit: job scripts and logs in" in cluster.stderr
+    jobs = len(re.findall(r"^Finished jobid", cluster.stderr, re.M))
+    for name in SMALL_RUNS:
+        a, b = tmp_path / "local" / "results", tmp_path / "slurm" / "results"
+        assert comparable(a / "runs" / name) == comparable(b / "runs" / name)  # same numbers, step by step
+        scores = [json.loads((r / "eval" / name / "toy" / "metrics.json").read_text())["tasks"]["arith"]
+                  for r in (a, b)]
+        assert scores[0]["value"] == scores[1]["value"] and scores[0]["n"] == scores[1]["n"] == 10
+    for table in ("results.md", "results.csv"):
+        assert (tmp_path / "local" / "results" / "tables" / table).read_text() == \
+            (tmp_path / "slurm" / "results" / "tables" / table).read_text()
+    # The jobs went through SLURM: every one of them is in its accounting.
+    folder = next((tmp_path / "slurm" / ".snakemake" / "submitit").iterdir())
+    ids = {p.name.split("_")[0] for p in folder.glob("*_log.out")}
+    accounted = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(sorted(ids))],
+                               capture_output=True, text=True).stdout
+    assert len(ids) >= 5 and accounted.count("COMPLETED") >= len(ids)
+    print(f"\nsmall study, {jobs} jobs: local {local_s:.1f} s, slurm {cluster_s:.1f} s, "
+          f"overhead {(cluster_s - local_s) / jobs:.2f} s per job")
+
+
+@pytest.mark.slow
+def test_a_training_job_past_its_time_limit_is_requeued_and_resumes(slurm, tmp_path):
+    config = json.loads(json.dumps(SMALL))
+    config["grid"]["baseline"] = False
+    # About 100 s of training in jobs limited to 2 minutes, warned 60 s before the limit. slurmctld checks
+    # limits every 30 s, so each attempt runs 60-90 s: the run needs one requeue, sometimes two.
+    steps = 600
+    config["run"]["train"].update(steps=steps, prompts_per_step=16, group_size=4)
+    config["run"]["checkpoint"]["every"] = 5
+    config["resources"]["train"] = {"runtime": 2}
+    target = f"results/runs/{SMALL_RUNS[0]}/COMPLETE"  # training only: its requeues are the point
+    result = snakemake(tmp_path, write_config(tmp_path, config), *SLURM, "--submitit-signal-delay", "60",
+                       "--submitit-max-timeouts", "20", target, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = tmp_path / "results" / "runs" / SMALL_RUNS[0]
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(steps))  # none lost or repeated
+    log = (tmp_path / "results" / "logs" / "train" / f"{SMALL_RUNS[0]}.log").read_text()
+    assert "resumed from checkpoint" in log
+    submitit_logs = "".join(p.read_text() for p in (tmp_path / ".snakemake" / "submitit").rglob("*_log.err"))
+    assert "this job is timed-out" in submitit_logs and "DUE TO JOB REQUEUE" in submitit_logs
+
+
+@pytest.mark.slow
+def test_interrupted_snakemake_leaves_no_job_in_squeue(slurm, tmp_path):
+    config = json.loads(json.dumps(SMALL))
+    config["run"]["train"]["steps"] = 2000  # jobs that would run for minutes
+    process = subprocess.Popen([*SNAKEMAKE, *SLURM, "--directory", str(tmp_path), "--configfile",
+                                str(write_config(tmp_path, config))], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not any("smk-train" in line and "RUNNING" in line for line in squeue()):
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        time.sleep(0.5)
+    assert any("smk-train" in line for line in squeue())
+    process.send_signal(signal.SIGINT)  # Ctrl-C on the submit host
+    process.wait(timeout=120)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and squeue():
+        time.sleep(0.5)
+    assert squeue() == []
+
+
+@pytest.mark.slow
+def test_a_failing_job_names_its_log(slurm, tmp_path):
+    config = json.loads(json.dumps(SMALL))
+    config["models"] = {"missing": {"path": str(tmp_path / "no-such-model")}}
+    result = snakemake(tmp_path, write_config(tmp_path, config), *SLURM)
+    assert result.returncode != 0
+    match = re.search(r"SLURM job (\S+) ended FAILED\. Its log: (\S+)", result.stderr)
+    assert match, result.stderr[-4000:]
+    log = Path(match.group(2))
+    assert log.is_file() and "exited with status" in log.read_text()
+    assert "does not exist" in (tmp_path / "results" / "logs" / "prepare" / "missing.log").read_text()
