@@ -65,6 +65,7 @@ class TrainConfig:
     async_level: int = 0            # train step s on rollouts of the policy of step s - async_level
     seed: int = 0
     max_nonfinite_updates: int = 3  # stop after this many skipped (NaN/inf) updates in a row
+    logprob_chunk: int = 1024       # tokens whose logits exist at once in log-prob passes (0: all, naive)
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
     non_negative = {"train.warmup_steps": t.warmup_steps, "train.async_level": t.async_level,
                     "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
-                    "checkpoint.keep_every": c.keep_every}
+                    "checkpoint.keep_every": c.keep_every, "train.logprob_chunk": t.logprob_chunk}
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")

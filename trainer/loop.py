@@ -225,17 +225,20 @@ class Run:
         if self.config.rollout.recompute_logprobs:
             with torch.no_grad():
                 batch = pack(rollouts, self.tokenizer.pad_token_id).to(self.device)
-                logp, _ = completion_logprobs(self.policy, batch, self.params.temperature)
+                logp, _ = self._logprobs(self.policy, batch)
             rollouts.logprobs = [row[: len(t)].tolist() for row, t in zip(logp.cpu(), rollouts.token_ids, strict=True)]
         expanded = [p for p in problems for _ in range(self.params.n)]
         rewards = self.task.reward(rollouts.texts, expanded, self.verifier)
         return PendingBatch(self.step, rollouts, rewards)
 
+    def _logprobs(self, model, batch: PackedBatch, with_entropy: bool = False):
+        return completion_logprobs(model, batch, self.params.temperature, with_entropy, self.config.train.logprob_chunk)
+
     def _update(self, batch: PackedBatch, rewards: torch.Tensor, ref_logp: torch.Tensor,
                 old_logp: torch.Tensor | None, with_entropy: bool) -> dict[str, float]:
         """One optimizer update on `batch` (whole groups); skipped if anything is non-finite."""
         c = self.config
-        logp, entropy = completion_logprobs(self.policy, batch, self.params.temperature, with_entropy)
+        logp, entropy = self._logprobs(self.policy, batch, with_entropy)
         loss, stats = compute_loss(logp, ref_logp, old_logp, rewards, batch.completion_mask, c.train.group_size,
                                    c.objective)
         self.optimizer.zero_grad(set_to_none=True)
@@ -272,7 +275,7 @@ class Run:
         batch = pack(entry.rollouts, self.tokenizer.pad_token_id).to(self.device)
         rewards = torch.tensor(entry.rewards, dtype=torch.float32, device=self.device)
         with torch.no_grad():
-            ref_logp, _ = completion_logprobs(self.reference, batch, self.params.temperature)
+            ref_logp, _ = self._logprobs(self.reference, batch)
         exactly_on_policy = c.train.async_level == 0 and c.train.minibatches == 1 and c.train.epochs == 1
         old_logp = None if exactly_on_policy else batch.behaviour_logp
         rows = len(entry.rollouts) // c.train.minibatches

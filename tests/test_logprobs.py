@@ -1,0 +1,61 @@
+"""Memory-lean log-probs: the same values and gradients as the naive computation."""
+
+import pytest
+import torch
+
+from trainer.chunked_logprobs import token_entropy, token_logprobs
+from trainer.logprobs import completion_logprobs, pack
+from trainer.models import load_model
+from trainer.rollout.base import Rollouts
+
+
+def naive(hidden, weight, bias, targets, temperature):
+    logits = (hidden @ weight.T + (0 if bias is None else bias)) / temperature
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_values_and_gradients_match_the_naive_computation(chunk, with_bias):
+    torch.manual_seed(0)
+    n, h, v, temperature = 50, 16, 97, 0.7
+    hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(v, dtype=torch.float64, requires_grad=True) if with_bias else None
+    targets = torch.randint(v, (n,))
+    upstream = torch.randn(n, dtype=torch.float64)
+    inputs = [hidden, weight] + ([bias] if with_bias else [])
+
+    expected = naive(hidden, weight, bias, targets, temperature)
+    grads_expected = torch.autograd.grad((expected * upstream).sum(), inputs)
+    got = token_logprobs(hidden, weight, bias, targets, temperature, chunk)
+    grads_got = torch.autograd.grad((got * upstream).sum(), inputs)
+
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)  # float64: equal to rounding
+    for a, b in zip(grads_got, grads_expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    logits = (hidden @ weight.T + (0 if bias is None else bias)) / temperature
+    entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(token_entropy(hidden, weight, bias, temperature, chunk), entropy.detach())
+
+
+def test_completion_logprobs_lean_and_naive_agree_on_a_model(toy_model):
+    torch.manual_seed(0)
+    model = load_model(str(toy_model))
+    prompts = [[5, 6, 7], [8, 9]]
+    tokens = [[10, 11, 12, 13], [14], [15, 16], [17, 18, 19]]  # two prompts x two samples, ragged
+    rollouts = Rollouts(prompt_ids=prompts, n=2, token_ids=tokens, logprobs=[[0.0] * len(t) for t in tokens],
+                        texts=[""] * 4, finish_reasons=["length"] * 4)
+    batch = pack(rollouts, pad_id=0)
+    results = {}
+    for chunk in (0, 3):
+        model.zero_grad()
+        logp, entropy = completion_logprobs(model, batch, temperature=0.9, with_entropy=True, chunk=chunk)
+        (logp * torch.arange(1.0, 5.0)[:, None]).sum().backward()
+        results[chunk] = (logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()})
+    (lp0, e0, g0), (lp3, e3, g3) = results[0], results[3]
+    torch.testing.assert_close(lp3, lp0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(e3, e0, rtol=1e-5, atol=1e-5)
+    assert (lp3 == 0).sum() == (batch.completion_mask == 0).sum()  # padding stays 0
+    for name in g0:
+        torch.testing.assert_close(g3[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -1,0 +1,95 @@
+"""Per-token log-probabilities from hidden states, chunk by chunk: never the whole [N, V] logits.
+
+The naive computation materialises the logits of every token (N x V floats, 10 GB in float32 for
+16,384 tokens and Qwen's 151,936-token vocabulary), their log-softmax, and in the backward pass
+the gradient of both. Here the logits of at most `chunk` tokens exist at a time: the forward pass
+keeps only each token's log-sum-exp, and the backward pass recomputes each chunk's logits from the
+saved hidden states. Values and gradients are those of the naive computation (the tests check
+both); the price is one extra matmul per chunk in the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+DEFAULT_CHUNK = 1024
+
+
+def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """One chunk's logits in the compute dtype; in place wherever possible (one [chunk, V] buffer)."""
+    logits = hidden @ weight.T
+    if bias is not None:
+        logits += bias
+    logits = logits.to(_compute_dtype(hidden))
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+def _compute_dtype(hidden: Tensor) -> torch.dtype:
+    """float64 stays float64 (for exact tests); every lower precision is computed in float32."""
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk: int,
+                temperature: float) -> Tensor:
+        logp = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden), device=hidden.device)
+        lse = torch.empty_like(logp)
+        for start in range(0, hidden.shape[0], chunk):
+            end = start + chunk
+            logits = _logits(hidden[start:end], weight, bias, temperature)
+            lse[start:end] = torch.logsumexp(logits, dim=-1)
+            logp[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk, ctx.temperature = chunk, temperature
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if need_bias else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = start + ctx.chunk
+            h, g = hidden[start:end], grad_logp[start:end].to(lse.dtype)
+            # d logp / d logits = onehot(target) - softmax, then through the temperature
+            grad_logits = _logits(h, weight, bias, ctx.temperature).sub_(lse[start:end, None]).exp_()
+            grad_logits.mul_(-g[:, None])
+            grad_logits.scatter_add_(-1, targets[start:end, None], g[:, None])
+            grad_logits.div_(ctx.temperature)
+            if need_hidden:
+                grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_weight:
+                grad_weight.addmm_(grad_logits.T, h.to(lse.dtype))
+            if need_bias:
+                grad_bias += grad_logits.sum(0)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
+
+
+def token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float = 1.0,
+                   chunk: int = DEFAULT_CHUNK) -> Tensor:
+    """log softmax((hidden @ weight.T + bias) / temperature)[target] per row ([N]; float32, or float64 for
+    float64 inputs),
+    differentiable in hidden, weight and bias; at most `chunk` rows of logits exist at a time."""
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"expected hidden [N, H] and targets [N], got {tuple(hidden.shape)} and "
+                         f"{tuple(targets.shape)}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    return _ChunkedLogprobs.apply(hidden, weight, bias, targets, chunk, temperature)
+
+
+@torch.no_grad()
+def token_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float = 1.0,
+                  chunk: int = DEFAULT_CHUNK) -> Tensor:
+    """Entropy of each row's distribution ([N], float32, no gradient), chunk by chunk."""
+    entropy = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden), device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        logits = _logits(hidden[start:start + chunk], weight, bias, temperature)
+        logp = torch.log_softmax(logits, dim=-1)
+        entropy[start:start + chunk] = -(logp.exp() * logp).sum(-1)
+    return entropy
