@@ -98,8 +98,10 @@ class Study:
 
     def eval_steps(self, run_id: str) -> list[int]:
         """The checkpoint steps to evaluate besides the final model (every N-th, when asked)."""
+        from trainer.config import TrainConfig
+
         every = self.evaluate["every"]
-        steps = self.run(run_id).config["train"]["steps"]
+        steps = self.run(run_id).config.get("train", {}).get("steps", TrainConfig.steps)
         return list(range(every, steps, every)) if every else []
 
     def eval_data(self) -> dict[str, str]:

@@ -74,6 +74,7 @@ def _jobs(log: str, rule: str) -> list[tuple[str, str]]:
 
 
 def test_grid_deduplicates_the_baseline_and_names_runs_stably():
+    config_without_steps = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
     study = load_study(yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text()))
     ids = [r.run_id for r in study.runs]
     assert len(ids) == 9 * 2 * 2 + 2 and len(set(ids)) == len(ids)  # one baseline per seed, not per beta
@@ -85,6 +86,9 @@ def test_grid_deduplicates_the_baseline_and_names_runs_stably():
     assert k3.config["train"]["seed"] == 1 and k3.config["model"] == {"path": "results/models/toy-sft",
                                                                        "name": "toy-sft"}
     assert run_id("m", "k1", "reward", 1.0, 0) == "m__k1-reward__b1__s0"  # 1.0 and 1 name the same run
+    del config_without_steps["run"]["train"]["steps"]
+    study = load_study({**config_without_steps, "evaluate": {**config_without_steps["evaluate"], "every": 10}})
+    assert study.eval_steps("toy-sft__none__s0") == [10]  # train.steps defaults to 20
 
 
 def test_grid_include_and_exclude():
