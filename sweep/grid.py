@@ -245,7 +245,8 @@ def _grid_points(grid: dict[str, Any], models: list[str]) -> list[tuple[str, str
     if baseline:
         points += [(m, None, "none", None, s) for m in models for s in seeds]
     points += _include(grid.get("include"), models)
-    points = [p for p in points if not any(_matches(p, pattern) for pattern in _patterns(grid.get("exclude")))]
+    exclude = _patterns(grid.get("exclude"))
+    points = [p for p in points if not any(_matches(p, pattern) for pattern in exclude)]
     return list(dict.fromkeys(points))
 
 
@@ -334,7 +335,7 @@ def _data(raw: Any) -> dict[str, dict[str, Any]]:
 
 
 def _evaluate(raw: Any, data: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from eval.suites import NEEDS_DATA, SUITES, TASKS, SuiteError, expand
+    from eval.suites import NEEDS_DATA, SUITES, TASKS, expand
 
     spec = _mapping(raw, "evaluate")
     _known(spec, EVAL_KEYS, "evaluate")
@@ -364,11 +365,7 @@ def _evaluate(raw: Any, data: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if source not in data and source.endswith((".jsonl", ".json", ".parquet")) and not Path(source).exists():
             log.warning("evaluate.data.%s: %s does not exist (yet); evaluating %s will fail until it does",
                         task, source, task)
-    try:
-        tasks = expand([str(s) for s in merged["suites"]])
-    except SuiteError as error:
-        raise StudyError(str(error)) from None
-    for task in tasks:
+    for task in expand(merged["suites"]):  # every name was checked above
         if task in NEEDS_DATA and task not in sources:
             raise StudyError(f"evaluate.data.{task}: required, since {task} has no public default data set")
     return merged
