@@ -54,21 +54,22 @@ class Executor(RemoteExecutor):
 
     def run_jobs(self, jobs: List[JobExecutorInterface]) -> None:
         """Ready jobs of the same rule with the same resources go out together, as one job array."""
-        groups: dict[tuple, list[JobExecutorInterface]] = {}
+        groups: dict[tuple, tuple[dict, list[JobExecutorInterface]]] = {}
         for job in jobs:
             self.run_job_pre(job)
-            groups.setdefault((job.name, signature(self._parameters(job))), []).append(job)
-        for members in groups.values():
-            self._submit(members)
+            params = self._parameters(job)
+            groups.setdefault((job.name, signature(params)), (params, []))[1].append(job)
+        for params, members in groups.values():
+            self._submit(members, params)
 
     def run_job(self, job: JobExecutorInterface) -> None:
-        self._submit([job])
+        self._submit([job], self._parameters(job))
 
     def _parameters(self, job: JobExecutorInterface) -> dict:
         return slurm_parameters(job.resources, job.threads, self.defaults)
 
-    def _submit(self, jobs: List[JobExecutorInterface]) -> None:
-        params = self._parameters(jobs[0])
+    def _submit(self, jobs: List[JobExecutorInterface], params: dict) -> None:
+        """Submit jobs that share `params`: one job, or one job array."""
         self.submitit.update_parameters(
             job_name=f"smk-{jobs[0].name}", signal_delay_s=self.settings.signal_delay,
             array_parallelism=self.settings.array_parallelism, additional_parameters=dict(self.extra), **params)
@@ -79,13 +80,11 @@ class Executor(RemoteExecutor):
                 submitted = [self.submitit.submit(commands[0])]
             else:
                 with self.submitit.batch():
-                    pending = [self.submitit.submit(command) for command in commands]
-                submitted = pending
+                    submitted = [self.submitit.submit(command) for command in commands]
         except Exception as error:  # sbatch refused: bad partition, account, resources...
             raise WorkflowError(f"submitit could not submit {len(jobs)} {jobs[0].name} job(s): {error}") from None
         for job, handle in zip(jobs, submitted, strict=True):
-            self.report_job_submission(SubmittedJobInfo(job, external_jobid=handle.job_id,
-                                                        aux={"submitit": handle, "submitted": time.time()}))
+            self.report_job_submission(SubmittedJobInfo(job, external_jobid=handle.job_id, aux={"submitit": handle}))
 
     # --- status ----------------------------------------------------------------------------------
 
@@ -96,7 +95,7 @@ class Executor(RemoteExecutor):
             submitit.SlurmJob.watcher.update()  # one sacct call for every job of this run
         for info in active_jobs:
             handle: submitit.SlurmJob = info.aux["submitit"]
-            state = handle.get_info(mode="cache").get("State", "UNKNOWN").split()[0].upper()
+            state = (handle.get_info(mode="cache").get("State") or "UNKNOWN").split()[0].upper()
             if state in SUCCESS:
                 self.report_job_success(info)
             elif state in FAILURE:
