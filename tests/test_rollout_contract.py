@@ -7,7 +7,7 @@ import torch
 
 from trainer.logprobs import completion_logprobs, pack
 from trainer.models import load_model, load_tokenizer
-from trainer.rollout.base import Rollouts, SamplingParams
+from trainer.rollout.base import Rollouts, SamplingParams, sample_seeds
 
 
 def _hf(model, tokenizer):
@@ -37,7 +37,7 @@ def setup(request, toy_model):
 
 def _generate(setup, seed=0, **params):
     engine, _, _, prompts = setup
-    return engine.generate(prompts, SamplingParams(**params), torch.Generator().manual_seed(seed))
+    return engine.generate(prompts, SamplingParams(**params), sample_seeds(seed, 0, len(prompts)))
 
 
 def test_n_completions_per_prompt_in_consecutive_rows(setup):
@@ -99,17 +99,31 @@ def test_eos_is_kept_in_the_tokens_and_dropped_from_the_text(setup, warm_model):
     tokenizer = load_tokenizer(str(warm_model))
     engine = engine_cls(load_model(str(warm_model)), tokenizer)
     prompt = tokenizer("3+4=", add_special_tokens=False)["input_ids"]
-    r = engine.generate([prompt], SamplingParams(n=8, max_new_tokens=6), torch.Generator().manual_seed(0))
+    r = engine.generate([prompt], SamplingParams(n=8, max_new_tokens=6), [0])
     ended = [t for t, reason in zip(r.token_ids, r.finish_reasons, strict=True) if reason == "stop"]
     assert ended and all(t[-1] == tokenizer.eos_token_id for t in ended)
     assert all(tokenizer.eos_token not in text for text in r.texts)
 
 
-def test_the_same_generator_seed_gives_the_same_rollouts(setup):
+def test_the_same_seeds_give_the_same_rollouts(setup):
     a, b = _generate(setup, seed=5, n=2, max_new_tokens=8), _generate(setup, seed=5, n=2, max_new_tokens=8)
     c = _generate(setup, seed=6, n=2, max_new_tokens=8)
     assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
     assert a.token_ids != c.token_ids
+
+
+def test_a_prompts_completions_depend_on_its_seed_alone(setup):
+    """What lets processes split a batch: prompt i samples the same alone as in any batch."""
+    engine, _, _, prompts = setup
+    params = SamplingParams(n=3, max_new_tokens=10)
+    together = engine.generate(prompts, params, [11, 22, 33])
+    for i, (prompt, seed) in enumerate(zip(prompts, [11, 22, 33], strict=True)):
+        alone = engine.generate([prompt], params, [seed])
+        assert alone.token_ids == together.token_ids[3 * i:3 * i + 3]
+        for a, b in zip(alone.logprobs, together.logprobs[3 * i:3 * i + 3], strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        engine.generate(prompts, params, [1, 2])
 
 
 def test_rollouts_round_trip_through_a_plain_state(setup):

@@ -257,9 +257,9 @@ def test_minibatches_and_epochs_make_several_off_policy_updates_per_batch(warm_m
     seen = []
     real = loop.compute_loss
 
-    def recording(logp, ref_logp, old_logp, rewards, mask, group_size, objective):
+    def recording(logp, ref_logp, old_logp, rewards, mask, group_size, objective, totals):
         seen.append((logp.shape[0], old_logp is not None, float(((logp.detach() - old_logp).abs() * mask).max())))
-        return real(logp, ref_logp, old_logp, rewards, mask, group_size, objective)
+        return real(logp, ref_logp, old_logp, rewards, mask, group_size, objective, totals)
 
     monkeypatch.setattr(loop, "compute_loss", recording)
     line = run.run_step()

@@ -32,15 +32,16 @@ def _fsync_tree(root: Path) -> None:
 
 
 def save(checkpoints_dir: Path, step: int, model, trainer_state: dict[str, Any], keep: int, keep_every: int = 0,
-         tokenizer=None) -> Path:
+         tokenizer=None, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoints/step_<step> atomically, then delete all but the newest `keep` (a step that is a
     multiple of `keep_every` is never deleted). With the tokenizer, step_<step>/model is a complete HF
-    model directory that evaluation can load."""
+    model directory that evaluation can load. `state_dict` (the whole weights, when `model` is sharded)
+    is saved instead of the model's own."""
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / f"step_{step}"
     tmp = checkpoints_dir / f".step_{step}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "model")
+    model.save_pretrained(tmp / "model", state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / "model")
     torch.save(trainer_state, tmp / "trainer_state.pt")

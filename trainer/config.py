@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from trainer.choices import ENGINES, LR_SCHEDULES, TASK_NAMES
+from trainer.choices import ENGINES, LR_SCHEDULES, MIXED_PRECISIONS, TASK_NAMES
 from trainer.objective_config import ObjectiveConfig
 
 
@@ -47,6 +47,11 @@ class RolloutConfig:
     max_new_tokens: int = 16
     stop: tuple[str, ...] = ()
     recompute_logprobs: bool = False  # behaviour log-probs from the trainer instead of the engine
+    # vllm only (trainer.rollout.vllm): a colocated engine per training process
+    vllm_gpu_memory_utilization: float = 0.3  # share of each GPU for vLLM's weights and KV cache
+    vllm_tensor_parallel_size: int = 1        # GPUs (training processes) one engine spans
+    vllm_sleep: bool = True         # release vLLM's GPU memory while the trainer trains
+    vllm_max_model_len: int = 0     # prompt + completion tokens vLLM plans for (0: the model's maximum)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,9 @@ class TrainConfig:
     seed: int = 0
     max_nonfinite_updates: int = 3  # stop after this many skipped (NaN/inf) updates in a row
     logprob_chunk: int = 1024       # tokens whose logits exist at once in log-prob passes (0: all, naive)
+    micro_batch_size: int = 0       # completions per forward/backward, gradients accumulated (0: a whole minibatch)
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass
+    mixed_precision: str = "no"     # no | bf16: compute in bfloat16 over float32 weights (FSDP2 or autocast)
 
 
 @dataclass(frozen=True)
@@ -198,7 +206,8 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
     non_negative = {"train.warmup_steps": t.warmup_steps, "train.async_level": t.async_level,
                     "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
-                    "checkpoint.keep_every": c.keep_every, "train.logprob_chunk": t.logprob_chunk}
+                    "checkpoint.keep_every": c.keep_every, "train.logprob_chunk": t.logprob_chunk,
+                    "train.micro_batch_size": t.micro_batch_size, "rollout.vllm_max_model_len": r.vllm_max_model_len}
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
@@ -214,6 +223,16 @@ def validate(config: RunConfig) -> None:
     if t.prompts_per_step % t.minibatches:
         raise ConfigError(f"train.minibatches: {t.minibatches} does not divide prompts_per_step "
                           f"{t.prompts_per_step} (minibatches hold whole groups)")
+    if t.micro_batch_size % t.group_size:
+        raise ConfigError(f"train.micro_batch_size: {t.micro_batch_size} is not a multiple of group_size "
+                          f"{t.group_size} (micro-batches hold whole groups)")
+    if t.mixed_precision not in MIXED_PRECISIONS:
+        raise ConfigError(f"train.mixed_precision: {t.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}")
+    if not 0 < r.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError("rollout.vllm_gpu_memory_utilization: must be in (0, 1], "
+                          f"got {r.vllm_gpu_memory_utilization}")
+    if r.vllm_tensor_parallel_size < 1:
+        raise ConfigError(f"rollout.vllm_tensor_parallel_size: must be >= 1, got {r.vllm_tensor_parallel_size}")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     if not r.temperature > 0:

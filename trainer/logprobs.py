@@ -57,40 +57,57 @@ def pack(rollouts: Rollouts, pad_id: int) -> PackedBatch:
     return PackedBatch(input_ids, attention, input_ids[:, width:].clone(), completion_mask, behaviour, width)
 
 
-def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False,
-                        chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(token) of every completion token ([B, T], float32, 0 on padding) and, optionally, the
-    entropy of each token's distribution (detached).
+class CompletionLogprobs(torch.nn.Module):
+    """A causal LM whose forward pass gives log pi of a packed batch's completion tokens.
 
-    With chunk > 0 (and a model whose logits are a plain linear head over its last hidden states),
-    the logits of at most `chunk` tokens exist at a time (`trainer.chunked_logprobs`), and only for
-    completion tokens; chunk = 0 computes all of them at once, the naive way."""
-    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    length = batch.completion_ids.shape[1]
-    inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
-                  use_cache=False)
-    head = _linear_head(model) if chunk else None
-    if head is None:
-        out = model(**inputs, logits_to_keep=length + 1)
-        logits = out.logits[:, :length].float() / temperature  # position P-1+t predicts completion token t
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1) * batch.completion_mask
+    The trainer calls this module, not the LM, so that under FSDP2 one root forward owns the whole
+    computation: the root gathers the embeddings and output layer that the chunked head uses
+    outside the LM's own forward, and reduces their gradients afterwards."""
+
+    def __init__(self, lm, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK) -> None:
+        super().__init__()
+        self.lm, self.temperature, self.chunk = lm, temperature, chunk
+
+    def forward(self, batch: PackedBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log pi(token) of every completion token ([B, T], float32, 0 on padding) and, optionally,
+        the entropy of each token's distribution (detached).
+
+        With chunk > 0 (and an LM whose logits are a plain linear head over its last hidden states),
+        the logits of at most `chunk` tokens exist at a time (`trainer.chunked_logprobs`), and only
+        for completion tokens; chunk = 0 computes all of them at once, the naive way."""
+        model, temperature, chunk = self.lm, self.temperature, self.chunk
+        positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        length = batch.completion_ids.shape[1]
+        inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
+                      use_cache=False)
+        head = _linear_head(model) if chunk else None
+        if head is None:
+            out = model(**inputs, logits_to_keep=length + 1)
+            logits = out.logits[:, :length].float() / temperature  # position P-1+t predicts completion token t
+            logp_all = torch.log_softmax(logits, dim=-1)
+            logp = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1) * batch.completion_mask
+            entropy = None
+            if with_entropy:
+                with torch.no_grad():
+                    entropy = -(logp_all.exp() * logp_all).sum(-1) * batch.completion_mask
+            return logp, entropy
+        hidden = model.base_model(**inputs).last_hidden_state
+        hidden = hidden[:, batch.prompt_width - 1:batch.prompt_width - 1 + length]
+        mask = batch.completion_mask.bool()
+        rows = hidden[mask]
+        flat = token_logprobs(rows, head.weight, head.bias, batch.completion_ids[mask], temperature, chunk)
+        logp = torch.zeros(mask.shape, dtype=torch.float32, device=flat.device).masked_scatter(mask, flat)
         entropy = None
         if with_entropy:
-            with torch.no_grad():
-                entropy = -(logp_all.exp() * logp_all).sum(-1) * batch.completion_mask
+            entropy = torch.zeros_like(logp).masked_scatter(
+                mask, token_entropy(rows.detach(), head.weight, head.bias, temperature, chunk))
         return logp, entropy
-    hidden = model.base_model(**inputs).last_hidden_state
-    hidden = hidden[:, batch.prompt_width - 1:batch.prompt_width - 1 + length]
-    mask = batch.completion_mask.bool()
-    rows = hidden[mask]
-    flat = token_logprobs(rows, head.weight, head.bias, batch.completion_ids[mask], temperature, chunk)
-    logp = torch.zeros(mask.shape, dtype=torch.float32, device=flat.device).masked_scatter(mask, flat)
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros_like(logp).masked_scatter(mask, token_entropy(rows.detach(), head.weight, head.bias,
-                                                                             temperature, chunk))
-    return logp, entropy
+
+
+def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False,
+                        chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`CompletionLogprobs(model, temperature, chunk)(batch, with_entropy)`, for one-off calls."""
+    return CompletionLogprobs(model, temperature, chunk)(batch, with_entropy)
 
 
 def _linear_head(model):

@@ -4,6 +4,12 @@
 config.yaml, metrics.jsonl (one line per step), checkpoints/step_N/, final/ (an HF model directory
 with the tokenizer) and COMPLETE. SIGTERM makes the run checkpoint after the current step and exit
 with EXIT_PREEMPTED, so that a scheduler can requeue it and the same command resumes it.
+
+Started by `accelerate launch` (or torchrun) as several processes, the run shards the policy and
+the reference with FSDP2 (`trainer.distributed`). Each process generates, scores and trains on its
+share of every minibatch's prompts; the main process writes everything in the run directory. The
+update is the one a single process would make: each prompt samples from its own seed, and every
+loss part is normalised by the whole minibatch's rows and tokens.
 """
 
 from __future__ import annotations
@@ -27,12 +33,21 @@ import yaml
 from eval.verify import Verifier
 from trainer import checkpoint
 from trainer.config import ConfigError, RunConfig
-from trainer.logprobs import PackedBatch, completion_logprobs, pack
+from trainer.distributed import (
+    World,
+    full_optimizer_state,
+    full_parameters,
+    full_state_dict,
+    grad_norm,
+    load_optimizer_state,
+    shard,
+)
+from trainer.logprobs import CompletionLogprobs, PackedBatch, pack
 from trainer.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
-from trainer.objective import compute_loss
+from trainer.objective import combine_stats, compute_loss
 from trainer.progress import progress_bar
 from trainer.rollout import make_engine
-from trainer.rollout.base import Rollouts, SamplingParams
+from trainer.rollout.base import Rollouts, SamplingParams, sample_seeds
 from trainer.run_files import COMPLETE, CONFIG, METRICS, read_metrics
 from trainer.tasks import DataOrder, Task, make_task
 
@@ -113,20 +128,58 @@ def check_before_loading(config: RunConfig) -> Task:
     return make_task(config.task.name, config.task.options)
 
 
+def _checkpoint_activations(lm) -> None:
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant, as FSDP2 needs)."""
+    enable = getattr(lm, "activation_checkpointing_enable", None)  # transformers 5's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _check_world(config: RunConfig, world: World) -> None:
+    """Every process must hold whole groups of every minibatch, in whole micro-batches."""
+    t = config.train
+    per_minibatch = t.prompts_per_step // t.minibatches
+    if per_minibatch % world.size:
+        raise ConfigError(f"train.prompts_per_step: {t.prompts_per_step} prompts in {t.minibatches} minibatch(es) "
+                          f"do not split evenly over {world.size} processes")
+    rows = per_minibatch // world.size * t.group_size
+    if t.micro_batch_size and rows % t.micro_batch_size:
+        raise ConfigError(f"train.micro_batch_size: {t.micro_batch_size} does not divide the {rows} completions "
+                          f"each process trains on per minibatch")
+
+
 class Run:
     """One training run in `out_dir`; `train()` is the entry point."""
 
-    def __init__(self, config: RunConfig, out_dir: Path) -> None:
-        self.config, self.out = config, Path(out_dir)
+    def __init__(self, config: RunConfig, out_dir: Path, world: World | None = None) -> None:
+        world = world or World()
+        self.config, self.out, self.world = config, Path(out_dir), world
         self.task = check_before_loading(config)
+        _check_world(config, world)
         self._claim_directory()
         c = config
         self.tokenizer = load_tokenizer(c.model.path)
-        self.policy = load_model(c.model.path, c.model.dtype, c.model.device)
-        self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        self.policy.train()
-        self.device = next(self.policy.parameters()).device
-        self.engine = make_engine(c.rollout.engine, self.policy, self.tokenizer)
+        lm = load_model(c.model.path, c.model.dtype, world.device(c.model.device))
+        reference = copy.deepcopy(lm).eval().requires_grad_(False)  # the initial weights, also on resume
+        replica = copy.deepcopy(lm).eval() if world.sharded and c.rollout.engine == "hf" else None
+        self.resumed = checkpoint.load_latest(self.checkpoints_dir, lm)  # before sharding: every process reads it
+        if c.train.gradient_checkpointing:
+            _checkpoint_activations(lm)
+        self.lm = lm.train()
+        self.policy = CompletionLogprobs(lm, c.rollout.temperature, c.train.logprob_chunk)
+        self.reference = CompletionLogprobs(reference, c.rollout.temperature, c.train.logprob_chunk)
+        bf16 = torch.bfloat16 if c.train.mixed_precision == "bf16" else None
+        if world.sharded:
+            shard(self.policy, lm, bf16)
+            shard(self.reference, reference, bf16)
+        self.autocast_dtype = bf16 if not world.sharded else None
+        self.device = next(lm.parameters()).device
+        self.engine = make_engine(c, self._engine_model(replica), self.tokenizer, world,
+                                  weights=lambda: full_parameters(self.policy, prefix="lm."))
+        if self.resumed is not None:
+            self.engine.sync_weights()
         self.params = SamplingParams(n=c.train.group_size, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                      max_new_tokens=c.rollout.max_new_tokens, stop=tuple(c.rollout.stop))
         self.optimizer = _adamw(self.policy, c)
@@ -134,17 +187,25 @@ class Run:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(c, total_updates))
         self.order = DataOrder(len(self.task), c.train.seed)
         self.verifier = Verifier(timeout=c.verifier.timeout, workers=c.verifier.workers)
-        self.sampler = torch.Generator().manual_seed(c.train.seed)
         self.step, self.data_position, self.nonfinite_in_row = 0, 0, 0
+        self.saved_step = self.resumed[0] if self.resumed is not None else None
         self.pending: deque[PendingBatch] = deque()
         torch.manual_seed(c.train.seed)
         np.random.seed(c.train.seed)
         random.seed(c.train.seed)
 
+    def _engine_model(self, replica):
+        """What the engine generates with: a replica when the policy is sharded, else the policy itself."""
+        if self.config.rollout.engine != "hf":
+            return self.config.model.path
+        return replica if replica is not None else self.lm
+
     # --- run directory ----------------------------------------------------------------------
 
     def _claim_directory(self) -> None:
         """Write config.yaml, or check that a run already here was started with the same config."""
+        if not self.world.main:
+            self.world.barrier()  # the main process checks, and writes a new run's config first
         self.out.mkdir(parents=True, exist_ok=True)
         config_file = self.out / CONFIG
         wanted = self.config.to_dict()
@@ -157,6 +218,8 @@ class Run:
                                   "use another --out, or the same config to resume it")
         else:
             config_file.write_text(yaml.safe_dump(wanted, sort_keys=False))
+        if self.world.main:
+            self.world.barrier()
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -164,34 +227,37 @@ class Run:
 
     # --- state ------------------------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
+    def process_state(self) -> dict[str, Any]:
+        """What differs between processes: random states, rollouts generated ahead, verifier counts."""
         return {
-            "step": self.step, "data_position": self.data_position, "nonfinite_in_row": self.nonfinite_in_row,
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "sampler": self.sampler.get_state(), "torch_rng": torch.get_rng_state(),
-            "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
+            "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
             "pending": [{"policy_step": p.policy_step, "rollouts": p.rollouts.to_state(), "rewards": p.rewards}
                         for p in self.pending],
             "verifier_counts": dict(self.verifier.counts),
         }
 
     def restore(self) -> None:
-        loaded = checkpoint.load_latest(self.checkpoints_dir, self.policy)
-        if loaded is None:
+        """Continue from the checkpoint whose weights __init__ loaded, if any."""
+        if self.resumed is None:
             return
-        step, state = loaded
+        step, state = self.resumed
+        processes = state.get("processes") or [state]  # a checkpoint from before multi-process runs
+        if len(processes) != self.world.size:
+            raise ConfigError(f"{self.checkpoints_dir}/step_{step} was written by {len(processes)} training "
+                              f"process(es); resume it with as many, not {self.world.size}")
         self.step, self.data_position = state["step"], state["data_position"]
         self.nonfinite_in_row = state["nonfinite_in_row"]
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.set_state(state["sampler"])
-        torch.set_rng_state(state["torch_rng"])
-        np.random.set_state(state["numpy_rng"])
-        random.setstate(state["python_rng"])
+        mine = processes[self.world.rank]
+        torch.set_rng_state(mine["torch_rng"])
+        np.random.set_state(mine["numpy_rng"])
+        random.setstate(mine["python_rng"])
         self.pending = deque(PendingBatch(p["policy_step"], Rollouts.from_state(p["rollouts"]), p["rewards"])
-                             for p in state["pending"])
-        self.verifier.counts.update(state["verifier_counts"])
-        self._truncate_metrics(step)
+                             for p in mine["pending"])
+        self.verifier.counts.update(mine["verifier_counts"])
+        if self.world.main:
+            self._truncate_metrics(step)
         log.info("resumed from checkpoint step_%d", step)
 
     def _truncate_metrics(self, step: int) -> None:
@@ -202,10 +268,17 @@ class Run:
             path.write_text("".join(json.dumps(line) + "\n" for line in kept))
 
     def save_checkpoint(self) -> None:
-        self.engine.sync_weights()
+        """Every process joins in gathering the weights and optimizer state; the main process writes."""
         c = self.config.checkpoint
-        checkpoint.save(self.checkpoints_dir, self.step, self.policy, self.state(), c.keep, c.keep_every,
-                        self.tokenizer)
+        weights = full_state_dict(self.policy, prefix="lm.")
+        state = {"step": self.step, "data_position": self.data_position, "nonfinite_in_row": self.nonfinite_in_row,
+                 "optimizer": full_optimizer_state(self.policy, self.optimizer),
+                 "scheduler": self.scheduler.state_dict(), "processes": self.world.gather(self.process_state())}
+        if self.world.main:
+            checkpoint.save(self.checkpoints_dir, self.step, self.lm, state, c.keep, c.keep_every, self.tokenizer,
+                            state_dict=weights)
+        self.world.barrier()
+        self.saved_step = self.step
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -217,11 +290,14 @@ class Run:
         return ids, problems
 
     def _generate(self) -> PendingBatch:
-        count = self.config.train.prompts_per_step
-        indices = self.order.take(self.data_position, count)
-        self.data_position += count
-        prompt_ids, problems = self._encode_prompts(indices)
-        rollouts = self.engine.generate(prompt_ids, self.params, self.sampler)
+        """This process's share of the next step's prompts, sampled, and their rewards."""
+        t = self.config.train
+        indices = self.order.take(self.data_position, t.prompts_per_step)
+        seeds = sample_seeds(t.seed, self.data_position, t.prompts_per_step)
+        self.data_position += t.prompts_per_step
+        indices, seeds = zip(*self.world.my_share(list(zip(indices, seeds, strict=True)), t.minibatches), strict=True)
+        prompt_ids, problems = self._encode_prompts(list(indices))
+        rollouts = self.engine.generate(prompt_ids, self.params, list(seeds))
         if self.config.rollout.recompute_logprobs:
             with torch.no_grad():
                 batch = pack(rollouts, self.tokenizer.pad_token_id).to(self.device)
@@ -231,23 +307,41 @@ class Run:
         rewards = self.task.reward(rollouts.texts, expanded, self.verifier)
         return PendingBatch(self.step, rollouts, rewards)
 
-    def _logprobs(self, model, batch: PackedBatch, with_entropy: bool = False):
-        return completion_logprobs(model, batch, self.params.temperature, with_entropy, self.config.train.logprob_chunk)
+    def _logprobs(self, model: CompletionLogprobs, batch: PackedBatch, with_entropy: bool = False):
+        if self.autocast_dtype is None:
+            return model(batch, with_entropy)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return model(batch, with_entropy)
 
     def _update(self, batch: PackedBatch, rewards: torch.Tensor, ref_logp: torch.Tensor,
                 old_logp: torch.Tensor | None, with_entropy: bool) -> dict[str, float]:
-        """One optimizer update on `batch` (whole groups); skipped if anything is non-finite."""
-        c = self.config
-        logp, entropy = self._logprobs(self.policy, batch, with_entropy)
-        loss, stats = compute_loss(logp, ref_logp, old_logp, rewards, batch.completion_mask, c.train.group_size,
-                                   c.objective)
+        """One optimizer update on this process's part of a minibatch (whole groups), a micro-batch at
+        a time; skipped everywhere if any process's loss or gradient is non-finite."""
+        c, world = self.config, self.world
+        rows = batch.completion_ids.shape[0]
+        totals = (rows * world.size, max(1.0, world.sum(float(batch.completion_mask.sum()))))
+        size = c.train.micro_batch_size or rows
+        starts = range(0, rows, size)
         self.optimizer.zero_grad(set_to_none=True)
-        grad_norm = float("nan")
-        if torch.isfinite(loss):
-            loss.backward()
-            max_norm = c.train.grad_clip if c.train.grad_clip > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
-        skipped = not math.isfinite(grad_norm)
+        parts = []
+        for start in starts:
+            part = slice(start, start + size)
+            if world.sharded:  # reduce the gradients once, after the last micro-batch
+                self.policy.set_requires_gradient_sync(start == starts[-1])
+            micro = batch.rows(part)
+            logp, entropy = self._logprobs(self.policy, micro, with_entropy)
+            loss, stats = compute_loss(logp, ref_logp[part], None if old_logp is None else old_logp[part],
+                                       rewards[part], micro.completion_mask, c.train.group_size, c.objective, totals)
+            (loss * world.size).backward()  # FSDP averages gradients over processes; the parts must add up
+            stats["loss"] = float(loss.detach())
+            if entropy is not None:
+                mask = micro.completion_mask
+                stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+            parts.append(stats)
+        stats = combine_stats([s for process in world.gather(parts) for s in process])
+        max_norm = c.train.grad_clip if c.train.grad_clip > 0 else float("inf")
+        norm = grad_norm(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
+        skipped = not math.isfinite(norm)
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_in_row += 1
@@ -260,10 +354,7 @@ class Run:
             self.optimizer.step()
             self.scheduler.step()  # the schedule counts updates made, not updates skipped
             self.nonfinite_in_row = 0
-        stats.update(loss=float(loss.detach()), grad_norm=grad_norm, skipped_updates=float(skipped))
-        if entropy is not None:
-            mask = batch.completion_mask
-            stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+        stats.update(grad_norm=norm, skipped_updates=float(skipped))
         return stats
 
     def run_step(self) -> dict[str, Any]:
@@ -293,13 +384,21 @@ class Run:
 
     def _metrics(self, entry: PendingBatch, batch: PackedBatch, updates: list[dict[str, float]],
                  t0: float, t_gen: float, t_end: float) -> dict[str, Any]:
+        """One line of metrics.jsonl: the updates' statistics (already over every process) and the
+        step's rewards, lengths and counts summed over the processes."""
         first_epoch = updates[: self.config.train.minibatches]
         averaged = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "entropy"}
         averaged["entropy"] = sum(u["entropy"] for u in first_epoch) / len(first_epoch)
         averaged["skipped_updates"] = sum(u["skipped_updates"] for u in updates)
-        rewards = entry.rewards
-        generated = sum(len(t) for t in entry.rollouts.token_ids)
-        trained = batch.tokens * self.config.train.epochs
+        processes = self.world.gather({
+            "rewards": entry.rewards, "stops": sum(f == "stop" for f in entry.rollouts.finish_reasons),
+            "generated": sum(len(t) for t in entry.rollouts.token_ids), "trained": batch.tokens,
+            "verifier": dict(self.verifier.counts)})
+        rewards = [r for p in processes for r in p["rewards"]]
+        generated = sum(p["generated"] for p in processes)
+        trained = sum(p["trained"] for p in processes) * self.config.train.epochs
+        verifier = {k: float(sum(p["verifier"].get(k, 0) for p in processes))
+                    for k in ("timeouts", "errors", "rejected")}
         return {
             "step": self.step,
             "policy_step": entry.policy_step,
@@ -307,10 +406,10 @@ class Run:
             "pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
             **averaged,
             "lr": self.scheduler.get_last_lr()[0],
-            "stop_frac": sum(f == "stop" for f in entry.rollouts.finish_reasons) / len(rewards),
-            "verifier_timeouts": float(self.verifier.counts["timeouts"]),
-            "verifier_errors": float(self.verifier.counts["errors"]),
-            "verifier_rejected": float(self.verifier.counts["rejected"]),
+            "stop_frac": sum(p["stops"] for p in processes) / len(rewards),
+            "verifier_timeouts": verifier["timeouts"],
+            "verifier_errors": verifier["errors"],
+            "verifier_rejected": verifier["rejected"],
             "generated_tokens": generated,
             "trained_tokens": trained,
             "gen_time": t_gen - t0,
@@ -322,33 +421,42 @@ class Run:
     # --- the whole run ----------------------------------------------------------------------
 
     def train(self, sigterm: _SigtermFlag) -> None:
-        c = self.config
+        c, main = self.config, self.world.main
         self.restore()
-        metrics_file = (self.out / METRICS).open("a")
-        bar = progress_bar(c.train.steps, "train")
+        metrics_file = (self.out / METRICS).open("a") if main else None
+        bar = progress_bar(c.train.steps, "train", show=None if main else False)
         bar.update(self.step)
         try:
             while self.step < c.train.steps:
-                if sigterm.raised:
+                if self._stopping(sigterm):
                     raise Preempted
                 metrics = self.run_step()
-                metrics_file.write(json.dumps(metrics) + "\n")
-                metrics_file.flush()
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps(metrics) + "\n")
+                    metrics_file.flush()
                 bar.update()
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_k3']:.4f}")
-                if self.step % c.checkpoint.every == 0 or sigterm.raised:
+                if self.step % c.checkpoint.every == 0 or self._stopping(sigterm):
                     self.save_checkpoint()
         except Preempted:
-            if self.step and not (self.checkpoints_dir / f"step_{self.step}").exists():
+            if self.step and self.saved_step != self.step:
                 self.save_checkpoint()
             raise
         finally:
             bar.close()
-            metrics_file.close()
+            if metrics_file is not None:
+                metrics_file.close()
             self.verifier.close()
-        save_pretrained_atomic(self.out / "final", self.policy, self.tokenizer)
-        (self.out / COMPLETE).write_text(json.dumps({"steps": self.step, "finished": time.time()}) + "\n")
-        log.info("run complete: %s", self.out)
+        weights = full_state_dict(self.policy, prefix="lm.")
+        if main:
+            save_pretrained_atomic(self.out / "final", self.lm, self.tokenizer, state_dict=weights)
+            (self.out / COMPLETE).write_text(json.dumps({"steps": self.step, "finished": time.time()}) + "\n")
+            log.info("run complete: %s", self.out)
+        self.world.barrier()
+
+    def _stopping(self, sigterm: _SigtermFlag) -> bool:
+        """Whether SIGTERM reached any process: all of them must checkpoint and stop together."""
+        return any(self.world.gather(sigterm.raised))
 
 
 def train(config: RunConfig, out_dir: Path) -> int:
@@ -358,10 +466,13 @@ def train(config: RunConfig, out_dir: Path) -> int:
         log.info("%s is already complete; nothing to do", out_dir)
         return 0
     with _SigtermFlag() as sigterm:  # from the start: a SIGTERM during loading also ends in a clean exit
-        run = Run(config, out_dir)
+        world = World.from_environment(config.model.device)
         try:
+            run = Run(config, out_dir, world)
             run.train(sigterm)
         except Preempted:
             log.warning("preempted at step %d; checkpoint written, exiting with %d", run.step, EXIT_PREEMPTED)
             return EXIT_PREEMPTED
+        finally:
+            world.close()
     return 0

@@ -181,14 +181,16 @@ def build_toy_model(out_dir: Path, spec: ToyModelSpec = ToyModelSpec()) -> Path:
     return out_dir
 
 
-def save_pretrained_atomic(out_dir: Path, model, tokenizer, extra: dict[str, object] | None = None) -> Path:
-    """save_pretrained into a temporary sibling, then rename: `out_dir` is whole or absent."""
+def save_pretrained_atomic(out_dir: Path, model, tokenizer, extra: dict[str, object] | None = None,
+                           state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """save_pretrained (of `state_dict` when given: a sharded model's whole weights) into a temporary
+    sibling, then rename: `out_dir` is whole or absent."""
     import json
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     for name, content in (extra or {}).items():
         (tmp / name).write_text(json.dumps(content, indent=2))

@@ -14,24 +14,33 @@ from trainer import advantages, kl
 from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PLACEMENTS
 from trainer.objective_config import ObjectiveConfig
 
-__all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PLACEMENTS", "ObjectiveConfig", "aggregate",
+__all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PLACEMENTS", "ObjectiveConfig", "aggregate", "combine_stats",
            "compute_loss"]
 
+# Statistics that are a part's share of the whole batch's (with `totals`): the whole's is their sum.
+SUMMED_STATS = ("loss", "loss_pg", "loss_kl", "kl_clamped_tokens")
 
-def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int | None = None) -> Tensor:
-    """Reduce a [B, T] per-token loss over the response `mask` as `loss_agg` says."""
+
+def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int | None = None,
+              totals: tuple[float, float] | None = None) -> Tensor:
+    """Reduce a [B, T] per-token loss over the response `mask` as `loss_agg` says.
+
+    `totals` = (rows, tokens) of the whole batch these rows are a part of (all micro-batches, all
+    processes). Means then divide by those, so the parts' losses add up to the whole batch's loss,
+    and their gradients to its gradient, exactly."""
     masked = per_token * mask
+    rows, tokens = totals if totals is not None else (mask.shape[0], mask.sum().clamp(min=1))
     if loss_agg == "token-mean":
-        return masked.sum() / mask.sum().clamp(min=1)
+        return masked.sum() / tokens
     token_sums = masked.sum(dim=-1)
     if loss_agg == "seq-mean-token-sum":
-        return token_sums.mean()
+        return token_sums.sum() / rows
     if loss_agg == "seq-mean-token-mean":
-        return (token_sums / mask.sum(dim=-1).clamp(min=1)).mean()
+        return (token_sums / mask.sum(dim=-1).clamp(min=1)).sum() / rows
     if loss_agg == "seq-mean-token-sum-norm":
         if norm_length is None:
             raise ValueError("seq-mean-token-sum-norm needs norm_length")
-        return token_sums.mean() / norm_length
+        return token_sums.sum() / rows / norm_length
     raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {', '.join(LOSS_AGGS)}")
 
 
@@ -59,6 +68,7 @@ def compute_loss(
     mask: Tensor,
     group_size: int,
     config: ObjectiveConfig,
+    totals: tuple[float, float] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The scalar loss to minimise and a dict of plain-float statistics.
 
@@ -69,6 +79,8 @@ def compute_loss(
     rewards   [B]    scalar reward per response
     mask      [B, T] 1 on response tokens, 0 on padding
     B = prompts x group_size, each group in consecutive rows.
+    totals    (rows, tokens) of the whole batch when these rows are one part of it (see `aggregate`);
+              the part's loss and loss statistics are then its share of the whole batch's.
     """
     _check_inputs(logp, ref_logp, old_logp, rewards, mask, group_size)
     estimate = kl.estimate(config.estimator, logp, ref_logp)
@@ -92,14 +104,14 @@ def compute_loss(
         pg_clipped = -torch.clamp(ratio, 1 - config.clip_eps, 1 + high) * adv_t
         clipped = pg_clipped > pg
         pg = torch.maximum(pg, pg_clipped)
-    loss_pg = aggregate(pg, maskf, config.loss_agg, config.norm_length)
+    loss_pg = aggregate(pg, maskf, config.loss_agg, config.norm_length, totals)
 
     loss = loss_pg
     loss_kl = torch.zeros((), dtype=dtype, device=logp.device)
     if config.kl_in_loss:
         weight = {"none": None, "detached": ratio.detach(), "differentiable": ratio}[config.kl_loss_ratio]
         kl_term = estimate if weight is None else weight * estimate
-        loss_kl = config.beta * aggregate(kl_term, maskf, config.loss_agg, config.norm_length)
+        loss_kl = config.beta * aggregate(kl_term, maskf, config.loss_agg, config.norm_length, totals)
         loss = loss + loss_kl
 
     stats = _stats(logp_c, ref_logp, rewards, shaped, adv, ratio, clipped, maskf, loss_pg, loss_kl, config)
@@ -139,3 +151,20 @@ def _stats(logp: Tensor, ref_logp: Tensor, rewards: Tensor, shaped: Tensor, adv:
     }
     numbers = torch.stack([v.to(maskf.dtype) for v in values.values()]).tolist()
     return dict(zip(values, numbers, strict=True))
+
+
+def combine_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The statistics of a batch from those of its equal-sized parts (micro-batches, processes):
+    shares add up, extremes stay extremes, and everything else is averaged over the parts."""
+    combined = {}
+    for key in parts[0]:
+        values = [part[key] for part in parts]
+        if key in SUMMED_STATS:
+            combined[key] = sum(values)
+        elif key.endswith("_min"):
+            combined[key] = min(values)
+        elif key.endswith("_max"):
+            combined[key] = max(values)
+        else:
+            combined[key] = sum(values) / len(values)
+    return combined

@@ -12,7 +12,7 @@ import torch
 from eval.verify import Verifier
 from trainer.models import load_model, load_tokenizer, save_pretrained_atomic
 from trainer.progress import progress_bar
-from trainer.rollout.base import SamplingParams
+from trainer.rollout.base import SamplingParams, sample_seeds
 from trainer.rollout.hf import HFEngine
 from trainer.tasks import DataOrder, make_task
 
@@ -41,7 +41,7 @@ def sample_reward(model, tokenizer, task, problems, chat: bool, max_new_tokens: 
     engine = HFEngine(model, tokenizer)
     prompts = [tokenizer(task.prompt(p, tokenizer, chat), add_special_tokens=not chat)["input_ids"] for p in problems]
     rollouts = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=max_new_tokens, stop=("\n",)),
-                               torch.Generator().manual_seed(seed))
+                               sample_seeds(seed, 0, len(prompts)))
     verifier = Verifier()
     try:
         rewards = task.reward(rollouts.texts, problems, verifier)

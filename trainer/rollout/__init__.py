@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Iterable
+
 from trainer.rollout.base import RolloutEngine, Rollouts, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.config import RunConfig
+    from trainer.distributed import World
 
 __all__ = ["RolloutEngine", "Rollouts", "SamplingParams", "make_engine"]
 
+Weights = Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
 
-def make_engine(name: str, model, tokenizer) -> RolloutEngine:
-    """The engine called `name` over the trainer's model and tokenizer."""
-    if name == "hf":
+
+def make_engine(config: RunConfig, model, tokenizer, world: World, weights: Weights) -> RolloutEngine:
+    """The engine `config.rollout.engine` names.
+
+    model    hf: the trainer's own LM in one process, or a replica of it when the trainer's is
+             sharded; vllm: the model's path (vLLM loads its own copy)
+    weights  the trainer's current parameters, whole, by name: what sync_weights loads into an
+             engine that holds its own copy
+    """
+    engine = config.rollout.engine
+    if engine == "hf":
         from trainer.rollout.hf import HFEngine
 
-        return HFEngine(model, tokenizer)
-    if name == "vllm":
-        raise ValueError("rollout.engine: vllm is not available yet (it comes with the GPU path); use hf")
-    raise ValueError(f"rollout.engine: {name!r} is not one of hf, vllm")
+        return HFEngine(model, tokenizer, weights if world.sharded else None)
+    if engine == "vllm":
+        from trainer.rollout.vllm import VLLMEngine
+
+        # trained in float32 under bf16 mixed precision: vLLM generates in bf16 as the trainer computes
+        dtype = "bfloat16" if config.train.mixed_precision == "bf16" else config.model.dtype
+        return VLLMEngine(model, tokenizer, config.rollout, world, weights, dtype, config.train.seed)
+    raise ValueError(f"rollout.engine: {engine!r} is not one of hf, vllm")

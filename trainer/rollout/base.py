@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
-import torch
+import numpy as np
 
 FINISH_REASONS = ("stop", "length")
 
@@ -60,12 +60,20 @@ class Rollouts:
         return cls(**state)
 
 
+def sample_seeds(seed: int, start: int, count: int) -> list[int]:
+    """One sampling seed per prompt slot start..start+count-1 of a run seeded with `seed`.
+
+    A prompt's completions depend only on its own seed, so a batch split across processes (or
+    resumed from a checkpoint) samples exactly what one process would have sampled."""
+    return [int(np.random.SeedSequence([seed, slot]).generate_state(1)[0]) for slot in range(start, start + count)]
+
+
 class RolloutEngine(Protocol):
     """What the trainer needs from a generation backend."""
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator) -> Rollouts:
-        """`params.n` completions of every prompt, grouped in consecutive rows, seeded by `generator`."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: Sequence[int]) -> Rollouts:
+        """`params.n` completions of every prompt, grouped in consecutive rows; prompt i's completions
+        are drawn from a generator seeded with seeds[i] alone (whatever else is in the batch)."""
         ...
 
     def sync_weights(self) -> None:

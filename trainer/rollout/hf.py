@@ -1,10 +1,15 @@
 """Rollouts with a transformers model: batched sampling with a KV cache, on CPU or GPU.
 
-The engine shares the trainer's model object, so it always samples from the current weights. It
-samples with an explicit torch.Generator, which makes runs reproducible and resumable bit for bit.
+In one process the engine shares the trainer's model object, so it always samples from the current
+weights. When the trainer's model is sharded over processes, the engine holds a full replica and
+`sync_weights` copies the trainer's weights into it before the next generation. Each prompt samples
+from its own seeded torch.Generator, which makes runs reproducible, resumable and independent of
+how prompts are split over processes.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -26,18 +31,36 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
 class HFEngine:
     """RolloutEngine over a transformers causal LM and its tokenizer."""
 
-    def __init__(self, model, tokenizer) -> None:
+    def __init__(self, model, tokenizer,
+                 weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None) -> None:
+        """`model` is the trainer's own model, or (with `weights`, the trainer's full parameters by
+        name) a replica that sync_weights refreshes."""
         self.model = model
         self.tokenizer = tokenizer
+        self.weights = weights
+        self.stale = False
         configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         configured = configured if isinstance(configured, (list, tuple)) else [configured]
         self.eos_ids = {i for i in (tokenizer.eos_token_id, *configured) if i is not None}
 
     def sync_weights(self) -> None:
-        """Nothing to do: the engine samples from the trainer's own model."""
+        """A replica is refreshed lazily, at the next generate(); a shared model needs nothing."""
+        self.stale = self.weights is not None
+
+    @torch.no_grad()
+    def _refresh(self) -> None:
+        for name, tensor in self.weights():
+            self.model.get_parameter(name).copy_(tensor)
+        self.stale = False
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, generator: torch.Generator) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: Sequence[int]) -> Rollouts:
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts")
+        if self.stale:
+            with torch.inference_mode(False):
+                self._refresh()
+        generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
         model, pad = self.model, self.tokenizer.pad_token_id
         device = next(model.parameters()).device
         rows = [ids for ids in prompt_ids for _ in range(params.n)]
@@ -65,7 +88,9 @@ class HFEngine:
         steps = 0
         for t in range(params.max_new_tokens):
             logp = sampling_logprobs(logits, params.temperature, params.top_p).cpu()
-            sampled = torch.multinomial(logp.exp(), 1, generator=generator)
+            probs = logp.exp()
+            sampled = torch.cat([torch.multinomial(probs[i * params.n:(i + 1) * params.n], 1, generator=g)
+                                 for i, g in enumerate(generators)])
             tokens[:, t] = sampled.squeeze(-1)
             logprobs[:, t] = logp.gather(-1, sampled).squeeze(-1)
             alive[:, t] = active

@@ -1,0 +1,98 @@
+"""Micro-batches, gradient checkpointing and several processes make the update one process makes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer import config as run_config
+from trainer.launch import train_command
+from trainer.loop import Run
+from trainer.objective import combine_stats
+
+
+def _overrides(model, **extra):
+    values = {
+        "model.path": str(model), "task.options": "{max_operand: 9}", "rollout.max_new_tokens": 4,
+        "rollout.stop": '["\\n"]', "objective.estimator": "k3", "objective.placement": "reward+loss",
+        "objective.beta": 0.1, "objective.loss_agg": "token-mean", "train.prompts_per_step": 4,
+        "train.group_size": 4, "train.lr": "1e-3", "train.steps": 2, "checkpoint.every": 1, **extra}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def _one_step(model, tmp_path, name, **extra):
+    """One step's metrics and its gradient (Adam's first step is blind to the gradient's scale)."""
+    run = Run(run_config.load(None, _overrides(model, **extra)), tmp_path / name)
+    line = run.run_step()
+    return line, {name: p.grad.detach().clone() for name, p in run.lm.named_parameters()}
+
+
+def _assert_close(a, b, atol):
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=atol, rtol=0), (key, (a[key] - b[key]).abs().max())
+
+
+@pytest.mark.parametrize("extra", [
+    {"train.micro_batch_size": 4},                                   # 4 micro-batches of one group
+    {"train.micro_batch_size": 8, "objective.loss_agg": "seq-mean-token-mean"},
+    {"train.gradient_checkpointing": "true"},
+    {"train.micro_batch_size": 4, "train.gradient_checkpointing": "true", "train.logprob_chunk": 0},
+])
+def test_micro_batches_and_checkpointing_make_the_same_update(warm_model, tmp_path, extra):
+    whole, grad_whole = _one_step(warm_model, tmp_path, "whole", **{k: v for k, v in extra.items()
+                                                                   if k.startswith("objective")})
+    parts, grad_parts = _one_step(warm_model, tmp_path, "parts", **extra)
+    largest = max(float(g.abs().max()) for g in grad_whole.values())
+    _assert_close(grad_whole, grad_parts, atol=1e-5 * largest)
+    for key in ("loss", "loss_pg", "loss_kl", "kl_k3", "reward_mean", "grad_norm", "ratio_max"):
+        assert parts[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+
+
+def test_micro_batches_must_hold_whole_groups(warm_model, tmp_path):
+    with pytest.raises(run_config.ConfigError, match="train.micro_batch_size: 6 is not a multiple of group_size 4"):
+        run_config.load(None, _overrides(warm_model, **{"train.micro_batch_size": 6}))
+    config = run_config.load(None, _overrides(warm_model, **{"train.micro_batch_size": 12}))
+    with pytest.raises(run_config.ConfigError, match="does not divide the 16 completions"):
+        Run(config, tmp_path / "bad")
+
+
+def test_combined_statistics_add_shares_and_keep_extremes():
+    parts = [{"loss": 0.25, "ratio_min": 0.9, "ratio_max": 1.1, "kl_k3": 1.0},
+             {"loss": 0.5, "ratio_min": 0.8, "ratio_max": 1.3, "kl_k3": 3.0}]
+    assert combine_stats(parts) == {"loss": 0.75, "ratio_min": 0.8, "ratio_max": 1.3, "kl_k3": 2.0}
+
+
+def test_the_launch_command():
+    assert train_command("py", 1) == ["py", "-m", "trainer"]
+    command = train_command("py", 4)
+    assert command[:3] == ["py", "-m", "accelerate.commands.launch"] and command[-2:] == ["-m", "trainer"]
+    assert command[command.index("--num_processes") + 1] == "4"
+
+
+def _train(out, model, processes, **extra):
+    command = [*train_command(sys.executable, processes), "train", "--out", str(out), *_overrides(model, **extra)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_processes_make_the_same_updates_as_one(warm_model, tmp_path):
+    """accelerate launch, two CPU processes over gloo, FSDP2-sharded policy and reference, the hf engine
+    on a synced replica, two minibatches split over both, micro-batches: the run of one process."""
+    extra = {"train.minibatches": 2, "train.micro_batch_size": 4}
+    one = _train(tmp_path / "one", warm_model, 1, **extra)
+    two = _train(tmp_path / "two", warm_model, 2, **extra)
+    for a, b in zip(one, two, strict=True):
+        for key in ("reward_mean", "kl_k3", "loss", "loss_kl", "grad_norm", "generated_tokens", "trained_tokens",
+                    "ratio_max", "stop_frac"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    # two Adam steps of lr 1e-3 move each weight by about 2e-3; float noise stays far below that
+    _assert_close(load_file(tmp_path / "one" / "final" / "model.safetensors"),
+                  load_file(tmp_path / "two" / "final" / "model.safetensors"), atol=1e-5)
+    state = torch.load(tmp_path / "two" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
+    assert len(state["processes"]) == 2 and state["step"] == 2
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_1", "step_2"]

@@ -1,0 +1,87 @@
+"""The vLLM engine's parts that run without vLLM: its output conversion and its errors.
+
+The engine itself runs the contract suite (tests/test_rollout_contract.py) wherever vLLM and a GPU
+are present. The stand-ins below have exactly the fields of vLLM 0.33's RequestOutput,
+CompletionOutput and Logprob that `to_rollouts` reads.
+"""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from trainer import config as run_config
+from trainer.rollout.vllm import import_vllm, to_rollouts
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+def _completion(index, tokens, reason="stop", text="x"):
+    logprobs = [{t: Logprob(-0.1 * (i + 1), rank=1), 999: Logprob(-9.0)} for i, t in enumerate(tokens)]
+    return CompletionOutput(index, text, tokens, None, logprobs, reason)
+
+
+def test_outputs_become_rollouts_in_prompt_and_index_order():
+    outputs = [RequestOutput([_completion(1, [7, 8], "length", "b"), _completion(0, [5], "stop", "a")]),
+               RequestOutput([_completion(0, [], "stop", ""), _completion(1, [4, 4, 2], "stop", "c")])]
+    r = to_rollouts(outputs, [[1, 2], [3]], n=2)
+    assert r.prompt_ids == [[1, 2], [3]] and r.n == 2
+    assert r.token_ids == [[5], [7, 8], [], [4, 4, 2]]
+    assert r.texts == ["a", "b", "", "c"] and r.finish_reasons == ["stop", "length", "stop", "stop"]
+    assert r.logprobs[1] == pytest.approx([-0.1, -0.2])  # the sampled token's, not another candidate's
+    assert r.logprobs[3] == pytest.approx([-0.1, -0.2, -0.3])
+
+
+@pytest.mark.parametrize("outputs,message", [
+    ([RequestOutput([_completion(0, [5])])], "1 completions of a prompt, 2 were asked for"),
+    ([RequestOutput([_completion(0, [5]), _completion(1, [6], "abort")])], "ended a completion with 'abort'"),
+    ([RequestOutput([_completion(0, [5]), CompletionOutput(1, "", [6], None, None, "stop")])], "no log-prob"),
+])
+def test_bad_outputs_are_named(outputs, message):
+    with pytest.raises(RuntimeError, match=message):
+        to_rollouts(outputs, [[1]], n=2)
+
+
+def test_a_missing_vllm_or_gpu_is_one_clear_error():
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(run_config.ConfigError, match=r"vllm is not installed .*pip install -e '\.\[gpu\]'"):
+            import_vllm()
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("vllm and a GPU are both here: nothing is missing")
+    with pytest.raises(run_config.ConfigError, match="vllm needs a CUDA GPU"):
+        import_vllm()
+
+
+def test_a_run_asking_for_vllm_where_it_cannot_run_fails_before_training(toy_model, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "trainer", "train", "--out", str(tmp_path / "run"),
+                           f"model.path={toy_model}", "rollout.engine=vllm"], capture_output=True, text=True)
+    assert done.returncode != 0 and "rollout.engine: vllm" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

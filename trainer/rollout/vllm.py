@@ -1,0 +1,184 @@
+"""Rollouts from vLLM, colocated with the trainer: one engine per training process (or per group of
+`vllm_tensor_parallel_size` processes), on the same GPUs.
+
+Written against vLLM 0.33.0 (the `gpu` extra pins it), whose documented offline API this uses:
+
+- `LLM(..., distributed_executor_backend="external_launcher")` runs the engine inside each process
+  that `accelerate launch`/torchrun started, with no processes of its own; vLLM then switches its
+  V1 multiprocessing off, so `collective_rpc` calls the worker directly with Python objects;
+  `data_parallel_size` = processes / tensor-parallel size, so that vLLM's world is torch's;
+- `logprobs_mode="processed_logprobs"`: the log-probs returned are those of the distribution
+  actually sampled from (temperature and top-p applied), which is what the behaviour log-probs
+  must be;
+- `SamplingParams(n, temperature, top_p, max_tokens, stop, seed, logprobs=0)`: `logprobs=0`
+  returns the sampled token's log-prob alone, and a per-request `seed` makes a prompt's
+  completions depend on its seed only, as the engine contract requires;
+- `enable_sleep_mode=True` with `LLM.sleep(level=2)` after each generation (weights and KV cache
+  released while the trainer trains) and `LLM.wake_up(tags=["weights"])`, a weight reload, then
+  `LLM.wake_up(tags=["kv_cache"])` before the next one;
+- `collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})`
+  (GPU worker -> `GPUModelRunner.reload_weights`): the trainer's parameters, whole and by their
+  Hugging Face names, streamed one at a time;
+- `RequestOutput.outputs[i]`: `CompletionOutput(index, text, token_ids, logprobs, finish_reason)`
+  with `logprobs[t]` a `{token_id: Logprob}` dict and `finish_reason` "stop" or "length".
+
+None of this runs on a machine without a GPU; `to_rollouts` (the conversion of vLLM's outputs)
+and the error messages are tested everywhere, the rest by the engine contract suite
+(tests/test_rollout_contract.py) wherever vLLM runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import torch
+
+from trainer.config import ConfigError
+from trainer.rollout.base import FINISH_REASONS, Rollouts, SamplingParams
+
+if TYPE_CHECKING:
+    from trainer.config import RolloutConfig
+    from trainer.distributed import World
+
+log = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.33.0"
+
+
+def import_vllm():
+    """The vllm module, or one error that says what is missing."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ConfigError(f"rollout.engine: vllm is not installed ({error}); install the gpu extra: "
+                          f"pip install -e '.[gpu]' (vllm=={VLLM_VERSION}), or use rollout.engine=hf") from None
+    if vllm.__version__ != VLLM_VERSION:
+        log.warning("vllm %s is installed; klstudy is written and checked against %s", vllm.__version__,
+                    VLLM_VERSION)
+    if not torch.cuda.is_available():
+        raise ConfigError("rollout.engine: vllm needs a CUDA GPU and none is visible; use rollout.engine=hf on CPU")
+    return vllm
+
+
+def to_rollouts(outputs: Sequence[Any], prompt_ids: list[list[int]], n: int) -> Rollouts:
+    """vLLM RequestOutputs (one per prompt, in prompt order) as Rollouts: n rows per prompt."""
+    if len(outputs) != len(prompt_ids):
+        raise RuntimeError(f"vllm returned {len(outputs)} outputs for {len(prompt_ids)} prompts")
+    token_ids, logprobs, texts, finish = [], [], [], []
+    for request in outputs:
+        completions = sorted(request.outputs, key=lambda c: c.index)
+        if len(completions) != n:
+            raise RuntimeError(f"vllm returned {len(completions)} completions of a prompt, {n} were asked for")
+        for completion in completions:
+            tokens = list(completion.token_ids)
+            if completion.logprobs is None or len(completion.logprobs) != len(tokens):
+                raise RuntimeError("vllm returned no log-prob for some sampled token (SamplingParams.logprobs=0 "
+                                   "asks for them)")
+            if completion.finish_reason not in FINISH_REASONS:
+                raise RuntimeError(f"vllm ended a completion with {completion.finish_reason!r}")
+            token_ids.append(tokens)
+            logprobs.append([float(position[token].logprob) for token, position in
+                             zip(tokens, completion.logprobs, strict=True)])
+            texts.append(completion.text)
+            finish.append(completion.finish_reason)
+    return Rollouts([list(p) for p in prompt_ids], token_ids, logprobs, texts, finish, n)
+
+
+class VLLMEngine:
+    """RolloutEngine over a colocated vLLM LLM; see the module docstring for the API it uses."""
+
+    def __init__(self, model_path: str, tokenizer, config: RolloutConfig, world: World,
+                 weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], dtype: str = "auto",
+                 seed: int = 0) -> None:
+        vllm = import_vllm()
+        tp = config.vllm_tensor_parallel_size
+        if world.size % tp:
+            raise ConfigError(f"rollout.vllm_tensor_parallel_size: {tp} does not divide the {world.size} "
+                              "training processes")
+        for name, value in (("RANK", world.rank), ("LOCAL_RANK", world.local_rank), ("WORLD_SIZE", world.size)):
+            os.environ.setdefault(name, str(value))  # what the external launcher reads (one process: 0, 0, 1)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        self.vllm, self.tokenizer, self.world, self.weights = vllm, tokenizer, world, weights
+        self.tp, self.sleep = tp, config.vllm_sleep
+        self.group = _tensor_parallel_group(world, tp)
+        kwargs: dict[str, Any] = dict(
+            model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
+            tensor_parallel_size=tp, data_parallel_size=world.size // tp,
+            distributed_executor_backend="external_launcher",
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+            enable_sleep_mode=config.vllm_sleep, logprobs_mode="processed_logprobs")
+        if config.vllm_max_model_len:
+            kwargs["max_model_len"] = config.vllm_max_model_len
+        self.llm = vllm.LLM(**kwargs)
+        self.stale, self.asleep = False, False
+        if self.sleep:
+            self._fall_asleep()
+
+    def sync_weights(self) -> None:
+        """Load the trainer's weights lazily, before the next generation."""
+        self.stale = True
+
+    def _fall_asleep(self) -> None:
+        self.llm.sleep(level=2)  # weights too: they are reloaded from the trainer on waking
+        self.asleep, self.stale = True, True
+
+    def _load_weights(self) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(self.weights()),
+                                                           "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        self.stale = False
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: Sequence[int]) -> Rollouts:
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts")
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        if self.stale:
+            self._load_weights()
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        # the processes of one tensor-parallel engine must all give it the same prompts
+        shares = self._gather((list(prompt_ids), list(seeds)))
+        all_prompts = [p for share, _ in shares for p in share]
+        all_seeds = [s for _, share in shares for s in share]
+        requests = [self.vllm.TokensPrompt(prompt_token_ids=list(p)) for p in all_prompts]
+        sampling = [self.vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                                             max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
+                                             seed=int(seed), logprobs=0, skip_special_tokens=True)
+                    for seed in all_seeds]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        if self.sleep:
+            self._fall_asleep()
+        start = sum(len(share) for share, _ in shares[: self._group_rank()])
+        mine = outputs[start:start + len(prompt_ids)]
+        return to_rollouts(mine, prompt_ids, params.n)
+
+    def _group_rank(self) -> int:
+        return self.world.rank % self.tp
+
+    def _gather(self, value: Any) -> list[Any]:
+        if self.group is None:
+            return [value]
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.tp
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
+
+def _tensor_parallel_group(world: World, tp: int):
+    """This process's group of `tp` consecutive ranks (every process creates every group), or None."""
+    if tp == 1:
+        return None
+    import torch.distributed as dist
+
+    mine = None
+    for first in range(0, world.size, tp):
+        group = dist.new_group(list(range(first, first + tp)))
+        if first <= world.rank < first + tp:
+            mine = group
+    return mine
