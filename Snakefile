@@ -9,11 +9,13 @@ is missing, and a training job resumes from its newest checkpoint.
 
 import json
 import re
+import shlex
 import sys
 
 from snakemake.utils import min_version, validate
 
 from sweep.grid import StudyError, load_study
+from trainer.launch import train_command
 
 min_version("9.0")
 

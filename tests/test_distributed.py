@@ -96,3 +96,14 @@ def test_two_processes_make_the_same_updates_as_one(warm_model, tmp_path):
     state = torch.load(tmp_path / "two" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
     assert len(state["processes"]) == 2 and state["step"] == 2
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_1", "step_2"]
+
+
+def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_float32_gradient(warm_model, tmp_path):
+    _, exact = _one_step(warm_model, tmp_path, "f32")
+    line, mixed = _one_step(warm_model, tmp_path, "bf16", **{"train.mixed_precision": "bf16"})
+    assert all(g.dtype == torch.float32 for g in mixed.values())
+    flat_exact = torch.cat([g.flatten() for g in exact.values()])
+    flat_mixed = torch.cat([g.flatten() for g in mixed.values()])
+    assert torch.nn.functional.cosine_similarity(flat_exact, flat_mixed, dim=0) > 0.99
+    assert flat_mixed.ne(flat_exact).any()  # it did compute in bfloat16
+    assert line["skipped_updates"] == 0
