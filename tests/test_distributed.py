@@ -1,8 +1,11 @@
 """Micro-batches, gradient checkpointing and several processes make the update one process makes."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -68,7 +71,7 @@ def test_combined_statistics_add_shares_and_keep_extremes():
 def test_the_launch_command():
     assert train_command("py", 1) == ["py", "-m", "trainer"]
     command = train_command("py", 4)
-    assert command[:3] == ["py", "-m", "accelerate.commands.launch"] and command[-2:] == ["-m", "trainer"]
+    assert command[2:5] == ["py", "-m", "accelerate.commands.launch"] and command[-2:] == ["-m", "trainer"]
     assert command[command.index("--num_processes") + 1] == "4"
 
 
@@ -107,3 +110,32 @@ def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_float32_grad
     assert torch.nn.functional.cosine_similarity(flat_exact, flat_mixed, dim=0) > 0.99
     assert flat_mixed.ne(flat_exact).any()  # it did compute in bfloat16
     assert line["skipped_updates"] == 0
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_process_at_a_checkpoint_and_the_same_command_resumes(warm_model, tmp_path):
+    """As a scheduler's preemption does it: SIGTERM to the launcher's whole process group."""
+    out = tmp_path / "two"
+    extra = {"train.steps": 12, "checkpoint.every": 100}
+    command = [*train_command(sys.executable, 2), "train", "--out", str(out), *_overrides(warm_model, **extra)]
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and job.poll() is None:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGTERM)
+    _, stderr = job.communicate(timeout=600)
+    assert job.returncode != 0, stderr[-2000:]
+    saved = [p.name for p in (out / "checkpoints").iterdir()]
+    assert len(saved) == 1 and not (out / "COMPLETE").exists(), (saved, stderr[-2000:])
+    assert stderr.count("checkpoint written, exiting with 75") == 2  # both processes stopped cleanly
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count(f"resumed from checkpoint {saved[0]}") == 2
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(12))
+    one = _train(tmp_path / "one", warm_model, 1, **extra)  # uninterrupted, one process
+    for a, b in zip(one, lines, strict=True):
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"]) and b["loss"] == pytest.approx(a["loss"], abs=1e-5)

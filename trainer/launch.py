@@ -5,6 +5,11 @@ Free of torch, so that the Snakefile can build every job's command without impor
 
 from __future__ import annotations
 
+# How long the launcher lets its processes finish a step and checkpoint after SIGTERM before it kills
+# them (torch's default is 30 s, shorter than one step of a large model). The scheduler's own time
+# limit still bounds it.
+SHUTDOWN_GRACE_S = 3600
+
 
 def train_command(python: str, processes: int) -> list[str]:
     """`python -m trainer`, or `accelerate launch` of it with `processes` processes on this machine.
@@ -13,6 +18,7 @@ def train_command(python: str, processes: int) -> list[str]:
     (FSDP2's policy), and port 0 lets several multi-GPU jobs share a node without colliding."""
     if processes <= 1:
         return [python, "-m", "trainer"]
-    return [python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+    return ["env", f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={SHUTDOWN_GRACE_S}",
+            python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
             "-m", "trainer"]
