@@ -42,7 +42,7 @@ def child(side: str, tokens: int, vocab: int, hidden_size: int, chunk: int) -> N
         if side == "naive":
             logits = (hidden @ weight.T).float()
             return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-        return token_logprobs(hidden, weight, None, targets, 1.0, chunk)
+        return token_logprobs(hidden, weight, None, targets, 1.0, chunk)[0]
 
     torch.manual_seed(0)
     small = torch.randn(8, hidden_size, requires_grad=True)  # warm-up: load the kernels before measuring

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trainer.chunked_logprobs import token_entropy, token_logprobs
+from trainer.chunked_logprobs import token_logprobs
 from trainer.logprobs import completion_logprobs, pack
 from trainer.models import load_model
 from trainer.rollout.base import Rollouts
@@ -28,7 +28,7 @@ def test_chunked_values_and_gradients_match_the_naive_computation(chunk, with_bi
 
     expected = naive(hidden, weight, bias, targets, temperature)
     grads_expected = torch.autograd.grad((expected * upstream).sum(), inputs)
-    got = token_logprobs(hidden, weight, bias, targets, temperature, chunk)
+    got, got_entropy = token_logprobs(hidden, weight, bias, targets, temperature, chunk, with_entropy=True)
     grads_got = torch.autograd.grad((got * upstream).sum(), inputs)
 
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)  # float64: equal to rounding
@@ -36,7 +36,9 @@ def test_chunked_values_and_gradients_match_the_naive_computation(chunk, with_bi
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     logits = (hidden @ weight.T + (0 if bias is None else bias)) / temperature
     entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
-    torch.testing.assert_close(token_entropy(hidden, weight, bias, temperature, chunk), entropy.detach())
+    torch.testing.assert_close(got_entropy, entropy.detach())
+    assert not got_entropy.requires_grad
+    assert token_logprobs(hidden, weight, bias, targets, temperature, chunk)[1] is None
 
 
 def test_completion_logprobs_lean_and_naive_agree_on_a_model(toy_model):

@@ -33,20 +33,25 @@ def _compute_dtype(hidden: Tensor) -> torch.dtype:
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk: int,
-                temperature: float) -> Tensor:
+                temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
         logp = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden), device=hidden.device)
         lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         for start in range(0, hidden.shape[0], chunk):
             end = start + chunk
             logits = _logits(hidden[start:end], weight, bias, temperature)
             lse[start:end] = torch.logsumexp(logits, dim=-1)
             logp[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
+            if with_entropy:  # from the same chunk of logits: H = lse - sum(p * logits)
+                probs = logits.sub(lse[start:end, None]).exp_()
+                entropy[start:end] = lse[start:end] - (probs * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.chunk, ctx.temperature = chunk, temperature
-        return logp
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor):
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
@@ -67,29 +72,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_bias:
                 grad_bias += grad_logits.sum(0)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
 
 
 def token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float = 1.0,
-                   chunk: int = DEFAULT_CHUNK) -> Tensor:
+                   chunk: int = DEFAULT_CHUNK, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """log softmax((hidden @ weight.T + bias) / temperature)[target] per row ([N]; float32, or float64 for
-    float64 inputs),
-    differentiable in hidden, weight and bias; at most `chunk` rows of logits exist at a time."""
+    float64 inputs), differentiable in hidden, weight and bias; and, with `with_entropy`, the entropy
+    of each row's distribution (no gradient), from the same logits. At most `chunk` rows of logits
+    exist at a time."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [N, H] and targets [N], got {tuple(hidden.shape)} and "
                          f"{tuple(targets.shape)}")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    return _ChunkedLogprobs.apply(hidden, weight, bias, targets, chunk, temperature)
-
-
-@torch.no_grad()
-def token_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float = 1.0,
-                  chunk: int = DEFAULT_CHUNK) -> Tensor:
-    """Entropy of each row's distribution ([N], float32, no gradient), chunk by chunk."""
-    entropy = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden), device=hidden.device)
-    for start in range(0, hidden.shape[0], chunk):
-        logits = _logits(hidden[start:start + chunk], weight, bias, temperature)
-        logp = torch.log_softmax(logits, dim=-1)
-        entropy[start:start + chunk] = -(logp.exp() * logp).sum(-1)
-    return entropy
+    logp, entropy = _ChunkedLogprobs.apply(hidden, weight, bias, targets, chunk, temperature, with_entropy)
+    return logp, entropy if with_entropy else None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.chunked_logprobs import DEFAULT_CHUNK, token_entropy, token_logprobs
+from trainer.chunked_logprobs import DEFAULT_CHUNK, token_logprobs
 from trainer.rollout.base import Rollouts
 
 
@@ -95,12 +95,12 @@ class CompletionLogprobs(torch.nn.Module):
         hidden = hidden[:, batch.prompt_width - 1:batch.prompt_width - 1 + length]
         mask = batch.completion_mask.bool()
         rows = hidden[mask]
-        flat = token_logprobs(rows, head.weight, head.bias, batch.completion_ids[mask], temperature, chunk)
+        flat, flat_entropy = token_logprobs(rows, head.weight, head.bias, batch.completion_ids[mask], temperature,
+                                            chunk, with_entropy)
         logp = torch.zeros(mask.shape, dtype=torch.float32, device=flat.device).masked_scatter(mask, flat)
         entropy = None
-        if with_entropy:
-            entropy = torch.zeros_like(logp).masked_scatter(
-                mask, token_entropy(rows.detach(), head.weight, head.bias, temperature, chunk))
+        if flat_entropy is not None:
+            entropy = torch.zeros_like(logp).masked_scatter(mask, flat_entropy.float())
         return logp, entropy
 
 
