@@ -12,6 +12,17 @@ import yaml
 from trainer.run_files import COMPLETE, CONFIG, METRICS, read_metrics
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """One evaluated suite of one model (the final one or a checkpoint's), as load_runs read it."""
+
+    step: int           # the training step whose model was evaluated
+    suite: str
+    where: str          # its directory under results/eval/<run id>: <suite> or step_<N>/<suite>
+    directory: Path
+    scores: dict[str, Any]  # its metrics.json
+
+
 @dataclass
 class RunRecord:
     """One grid point: its id, config, grid coordinates, per-step metrics and eval scores."""
@@ -28,12 +39,13 @@ class RunRecord:
         """results/eval/<run id>: one directory per evaluated suite."""
         return self.path.parent.parent / "eval" / self.run_id
 
-    def eval_dirs(self) -> list[tuple[int, str, Path]]:
-        """(step, suite, directory) of every evaluation: the final model's at the run's last step, then
-        the kept checkpoints' (results/eval/<id>/step_<N>/<suite>) at their own steps."""
-        final = [(len(self.metrics), suite, self.eval_root / suite) for suite in self.evals]
-        return final + [(step, suite, self.eval_root / f"step_{step}" / suite)
-                        for step, suites in sorted(self.checkpoint_evals.items()) for suite in suites]
+    def evaluations(self) -> list[Evaluation]:
+        """Every evaluation: the final model's at the run's last step, then the kept checkpoints'
+        (results/eval/<id>/step_<N>/<suite>) at their own steps."""
+        final = [Evaluation(len(self.metrics), suite, suite, self.eval_root / suite, scores)
+                 for suite, scores in self.evals.items()]
+        return final + [Evaluation(step, suite, f"step_{step}/{suite}", self.eval_root / f"step_{step}" / suite, scores)
+                        for step, suites in sorted(self.checkpoint_evals.items()) for suite, scores in suites.items()]
 
     @property
     def complete(self) -> bool:

@@ -148,8 +148,9 @@ def _log_steps(client, run_id: str, record: RunRecord, report: SyncReport) -> No
     report.steps_logged += len(pending)
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+def _digest(scores: dict) -> str:
+    """Of the scores as read and logged (not of the file now, which an evaluation may have rewritten)."""
+    return hashlib.sha256(json.dumps(scores, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _log_evals(client, run_id: str, run_tags: dict[str, str], record: RunRecord, report: SyncReport) -> None:
@@ -158,13 +159,13 @@ def _log_evals(client, run_id: str, run_tags: dict[str, str], record: RunRecord,
     from mlflow.entities import Metric, RunTag
 
     now = int(time.time() * 1000)
-    for step, suite, eval_dir in record.eval_dirs():
-        where = suite if eval_dir.parent == record.eval_root else f"{eval_dir.parent.name}/{suite}"
-        digest, tag = _digest(eval_dir / "metrics.json"), f"klstudy.eval_digest.{where.replace('/', '.')}"
+    for evaluation in record.evaluations():
+        step, suite, where, eval_dir = evaluation.step, evaluation.suite, evaluation.where, evaluation.directory
+        digest, tag = _digest(evaluation.scores), f"klstudy.eval_digest.{where.replace('/', '.')}"
         if run_tags.get(tag) == digest:
             continue
         values = []
-        for task, row in json.loads((eval_dir / "metrics.json").read_text()).get("tasks", {}).items():
+        for task, row in evaluation.scores.get("tasks", {}).items():
             values.append(Metric(f"eval/{suite}/{task}/pass_at_1", float(row["value"]), now, step))
             if row.get("stderr") is not None:
                 values.append(Metric(f"eval/{suite}/{task}/pass_at_1_stderr", float(row["stderr"]), now, step))
