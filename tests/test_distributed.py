@@ -139,3 +139,17 @@ def test_sigterm_stops_every_process_at_a_checkpoint_and_the_same_command_resume
     one = _train(tmp_path / "one", warm_model, 1, **extra)  # uninterrupted, one process
     for a, b in zip(one, lines, strict=True):
         assert b["reward_mean"] == pytest.approx(a["reward_mean"]) and b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+
+
+def test_a_bad_run_directory_stops_every_process_with_the_error(warm_model, tmp_path):
+    """The main process finds the error; the others must not wait for it forever."""
+    import yaml
+
+    out = tmp_path / "taken"
+    out.mkdir()
+    other = run_config.load(None, _overrides(warm_model, **{"train.lr": "5e-4"}))
+    (out / "config.yaml").write_text(yaml.safe_dump(other.to_dict(), sort_keys=False))
+    command = [*train_command(sys.executable, 2), "train", "--out", str(out), *_overrides(warm_model)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert done.stderr.count("holds a run with a different config (train.lr)") == 2

@@ -203,9 +203,19 @@ class Run:
     # --- run directory ----------------------------------------------------------------------
 
     def _claim_directory(self) -> None:
-        """Write config.yaml, or check that a run already here was started with the same config."""
-        if not self.world.main:
-            self.world.barrier()  # the main process checks, and writes a new run's config first
+        """The main process writes config.yaml, or checks that a run already here was started with the
+        same config; every process then raises its error, if any (none is left waiting)."""
+        problem = None
+        if self.world.main:
+            try:
+                self._check_or_write_config()
+            except ConfigError as error:
+                problem = str(error)
+        problems = [p for p in self.world.gather(problem) if p]
+        if problems:
+            raise ConfigError(problems[0])
+
+    def _check_or_write_config(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         config_file = self.out / CONFIG
         wanted = self.config.to_dict()
@@ -218,8 +228,6 @@ class Run:
                                   "use another --out, or the same config to resume it")
         else:
             config_file.write_text(yaml.safe_dump(wanted, sort_keys=False))
-        if self.world.main:
-            self.world.barrier()
 
     @property
     def checkpoints_dir(self) -> Path:
