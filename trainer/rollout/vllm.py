@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
@@ -100,7 +101,7 @@ class VLLMEngine:
         for name, value in (("RANK", world.rank), ("LOCAL_RANK", world.local_rank), ("WORLD_SIZE", world.size)):
             os.environ.setdefault(name, str(value))  # what the external launcher reads (one process: 0, 0, 1)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))  # launched processes have theirs already
         self.vllm, self.tokenizer, self.world, self.weights = vllm, tokenizer, world, weights
         self.tp, self.sleep = tp, config.vllm_sleep
         self.group = _tensor_parallel_group(world, tp)
@@ -168,6 +169,12 @@ class VLLMEngine:
         values: list[Any] = [None] * self.tp
         dist.all_gather_object(values, value, group=self.group)
         return values
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _tensor_parallel_group(world: World, tp: int):
