@@ -1,5 +1,6 @@
 """The contract every rollout engine must pass (hf here; vllm runs it where vLLM runs)."""
 
+import contextlib
 import math
 
 import pytest
@@ -10,26 +11,40 @@ from trainer.models import load_model, load_tokenizer
 from trainer.rollout.base import Rollouts, SamplingParams, sample_seeds
 
 
-def _hf(model, tokenizer):
+def _hf(model, tokenizer, model_dir):
     from trainer.rollout.hf import HFEngine
 
-    return HFEngine(model, tokenizer)
+    return HFEngine(model, tokenizer)  # as one training process has it: the trainer's own model
 
 
-def _vllm(model, tokenizer):
+def _hf_replica(model, tokenizer, model_dir):
+    import copy
+
+    from trainer.distributed import full_parameters
+    from trainer.rollout.hf import HFEngine
+
+    # as a sharded trainer has it: a copy of its own, refreshed from the trainer's weights on sync
+    return HFEngine(copy.deepcopy(model), tokenizer, weights=lambda: full_parameters(model))
+
+
+def _vllm(model, tokenizer, model_dir):
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("vLLM needs a GPU")
+    from trainer import config as run_config
+    from trainer.distributed import World, full_parameters
     from trainer.rollout import make_engine
 
-    return make_engine("vllm", model, tokenizer)
+    config = run_config.load(None, [f"model.path={model_dir}", "rollout.engine=vllm",
+                                    "rollout.vllm_gpu_memory_utilization=0.2"])
+    return make_engine(config, str(model_dir), tokenizer, World(), weights=lambda: full_parameters(model))
 
 
-@pytest.fixture(scope="module", params=["hf", "vllm"])
+@pytest.fixture(scope="module", params=["hf", "hf-replica", "vllm"])
 def setup(request, toy_model):
     tokenizer = load_tokenizer(str(toy_model))
     model = load_model(str(toy_model))
-    engine = {"hf": _hf, "vllm": _vllm}[request.param](model, tokenizer)
+    engine = {"hf": _hf, "hf-replica": _hf_replica, "vllm": _vllm}[request.param](model, tokenizer, toy_model)
     texts = ["12+7=", "3-1=", "a much longer prompt: 100+250="]  # different lengths: padding matters
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     return engine, model, tokenizer, prompts
@@ -94,12 +109,36 @@ def test_stop_strings_end_completions_and_are_cut_from_the_text(setup):
     assert stopped > 0
 
 
-def test_eos_is_kept_in_the_tokens_and_dropped_from_the_text(setup, warm_model):
-    engine_cls = type(setup[0])
-    tokenizer = load_tokenizer(str(warm_model))
-    engine = engine_cls(load_model(str(warm_model)), tokenizer)
+@contextlib.contextmanager
+def _trained_to(setup, model_dir):
+    """The trainer's model takes the weights in `model_dir` and the engine is told to sync, as after
+    a training step; afterwards both go back."""
+    engine, model, _, _ = setup
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    new = dict(load_model(str(model_dir)).named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(new[name])
+    engine.sync_weights()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(before[name])
+        engine.sync_weights()
+
+
+def test_eos_is_kept_in_the_tokens_and_dropped_from_the_text_after_a_weight_sync(setup, warm_model):
+    """The warm model ends its answers with EOS; the engine samples from it only if it synced."""
+    engine, model, tokenizer, _ = setup
     prompt = tokenizer("3+4=", add_special_tokens=False)["input_ids"]
-    r = engine.generate([prompt], SamplingParams(n=8, max_new_tokens=6), [0])
+    with _trained_to(setup, warm_model):
+        r = engine.generate([prompt], SamplingParams(n=8, max_new_tokens=6), [0])
+        batch = pack(r, tokenizer.pad_token_id)
+        with torch.no_grad():
+            trainer_logp, _ = completion_logprobs(model, batch)
+        assert ((trainer_logp - batch.behaviour_logp) * batch.completion_mask).abs().max() < 1e-4
     ended = [t for t, reason in zip(r.token_ids, r.finish_reasons, strict=True) if reason == "stop"]
     assert ended and all(t[-1] == tokenizer.eos_token_id for t in ended)
     assert all(tokenizer.eos_token not in text for text in r.texts)
