@@ -61,6 +61,7 @@ def _serve(target: str) -> None:
     fn = getattr(importlib.import_module(module), name)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # whatever fn prints must not corrupt the frames
+    _write_frame(stdout, "ready")  # imports done: from now on a call's time is the call's own
     while True:
         try:
             index, args = _read_frame(stdin)
@@ -82,6 +83,8 @@ class _Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         self.task: int | None = None
         self.deadline = 0.0
+        self.ready = False  # a call's deadline starts only once the worker has imported its target
+        self.started = time.monotonic()
 
     def send(self, index: int, args: tuple) -> None:
         _write_frame(self.process.stdin, (index, args))
@@ -103,6 +106,8 @@ class DeadlinePool:
     must pickle.
     """
 
+    STARTUP_TIMEOUT = 120.0  # seconds a worker may take to import its target, even on a loaded machine
+
     def __init__(self, target: str, workers: int = 2, timeout: float = 5.0) -> None:
         if workers < 1 or timeout <= 0:
             raise ValueError(f"need workers >= 1 and timeout > 0, got {workers} and {timeout}")
@@ -115,8 +120,10 @@ class DeadlinePool:
         results: list[Outcome | None] = [None] * len(calls)
         queue = deque(range(len(calls)))
         while queue or any(w.task is not None for w in self._workers):
+            if queue and not any(w.ready for w in self._workers):
+                self._wait_for_startup()
             for worker in self._workers:
-                if worker.task is None and queue:
+                if worker.ready and worker.task is None and queue:
                     index = queue.popleft()
                     worker.task, worker.deadline = index, time.monotonic() + self.timeout
                     try:
@@ -127,8 +134,12 @@ class DeadlinePool:
             busy = [w for w in self._workers if w.task is not None]
             if not busy:
                 continue
+            starting = [w for w in self._workers if not w.ready]
             wait_for = max(0.0, min(w.deadline for w in busy) - time.monotonic())
-            readable, _, _ = select.select([w.process.stdout for w in busy], [], [], wait_for)
+            readable, _, _ = select.select([w.process.stdout for w in busy + starting], [], [], wait_for)
+            for worker in starting:
+                if worker.process.stdout in readable:
+                    self._mark_ready(worker)
             for worker in busy:
                 if worker.process.stdout in readable:
                     try:
@@ -142,6 +153,27 @@ class DeadlinePool:
                     results[worker.task] = Outcome("timeout", message=f"over {self.timeout:g} s")
                     self._replace(worker)
         return [r if r is not None else Outcome("error", message="lost") for r in results]
+
+    def _wait_for_startup(self) -> None:
+        """Block until some starting worker has imported its target: startup is no call's time."""
+        starting = [w for w in self._workers if not w.ready]
+        deadline = min(w.started for w in starting) + self.STARTUP_TIMEOUT
+        readable, _, _ = select.select([w.process.stdout for w in starting], [], [],
+                                       max(0.0, deadline - time.monotonic()))
+        if not readable:
+            raise RuntimeError(f"no worker for {self.target} started within {self.STARTUP_TIMEOUT:g} s")
+        for worker in starting:
+            if worker.process.stdout in readable:
+                self._mark_ready(worker)
+
+    def _mark_ready(self, worker: _Worker) -> None:
+        try:
+            ready = _read_frame(worker.process.stdout) == "ready"
+        except (EOFError, pickle.UnpicklingError):
+            ready = False
+        if not ready:
+            raise RuntimeError(f"a worker for {self.target} failed to start: can it be imported?")
+        worker.ready = True
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()

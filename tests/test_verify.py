@@ -157,6 +157,15 @@ def test_deadline_pool_kills_hung_workers_and_survives_crashes():
         assert outcome.status == "error" and "RecursionError" in outcome.message
 
 
+def test_a_workers_startup_is_not_counted_against_its_calls():
+    """Calls right after a replacement must not time out while the new worker is still importing."""
+    with DeadlinePool("tests.slow_import_target:echo", workers=1, timeout=1.0) as pool:
+        assert [o.status for o in pool.map([(1,), (2,)])] == ["ok", "ok"]
+    with DeadlinePool("tests.no_such_module:f", workers=1, timeout=1.0) as pool:
+        with pytest.raises(RuntimeError, match="failed to start: can it be imported"):
+            pool.map([()])
+
+
 def test_last_boxed_is_linear_on_long_inputs():
     start = time.monotonic()
     assert last_boxed("\\boxed{" * 20_000) is None
