@@ -12,6 +12,12 @@ def toy_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def untied_toy_model(tmp_path_factory):
+    """The toy model with an output layer of its own (not the input embedding)."""
+    return build_toy_model(tmp_path_factory.mktemp("models") / "toy-untied", ToyModelSpec(tie_embeddings=False))
+
+
+@pytest.fixture(scope="session")
 def warm_model(toy_model, tmp_path_factory):
     """The toy model after a short supervised warm-up on single-digit arithmetic."""
     from trainer.sft import sft

@@ -112,8 +112,17 @@ def _toy_model_parser(sub: argparse._SubParsersAction) -> None:
                        description="Writes a character-level tokenizer and a small Llama to --out.")
     p.add_argument("--out", type=Path, required=True, help="model directory to write")
     for name, default in ToyModelSpec().__dict__.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"(default {default})")
+        kind = _boolean if isinstance(default, bool) else int
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=f"(default {default})")
     p.set_defaults(func=_run_toy_model)
+
+
+def _boolean(text: str) -> bool:
+    """true/false as YAML writes them (a study's `toy:` options arrive as --key=value)."""
+    value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
 
 
 def _run_toy_model(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -118,14 +119,26 @@ def shard(module: torch.nn.Module, lm, param_dtype: torch.dtype | None = None) -
 
 def full_parameters(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """Each parameter whole, by name (without `prefix`), one at a time: a sharded parameter is
-    gathered from every process (all processes must iterate together); a plain one is itself."""
-    for name, param in module.named_parameters():
-        if not name.startswith(prefix):
-            continue
-        tensor = param.detach()
-        if hasattr(tensor, "full_tensor"):  # a DTensor shard
-            tensor = tensor.full_tensor()
-        yield name[len(prefix):], tensor
+    gathered from every process (all processes must iterate together); a plain one is itself.
+
+    A parameter shared by several modules (tied input and output embeddings) comes under each of
+    its names, gathered once: an engine with its own copy may hold the two apart (vLLM's CPU build
+    keeps a packed copy of the output layer), and a name it is not sent keeps its old weights."""
+    named = [(name[len(prefix):], param) for name, param in module.named_parameters(remove_duplicate=False)
+             if name.startswith(prefix)]
+    uses = Counter(id(param) for _, param in named)
+    shared: dict[int, torch.Tensor] = {}  # gathered tensors of parameters with names still to come
+    for name, param in named:
+        key = id(param)
+        tensor = shared.pop(key, None)
+        if tensor is None:
+            tensor = param.detach()
+            if hasattr(tensor, "full_tensor"):  # a DTensor shard
+                tensor = tensor.full_tensor()
+        uses[key] -= 1
+        if uses[key]:
+            shared[key] = tensor
+        yield name, tensor
 
 
 def full_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:

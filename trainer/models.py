@@ -14,6 +14,7 @@ import shutil
 import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
@@ -36,14 +37,15 @@ class ModelNotFoundError(ValueError):
 
 @dataclass(frozen=True)
 class ToyModelSpec:
-    """Sizes of the toy Llama."""
+    """Sizes of the toy Llama. Two heads of 32: vLLM's CPU attention has no kernel for head size 16."""
 
     hidden_size: int = 64
     num_layers: int = 2
-    num_heads: int = 4
+    num_heads: int = 2
     intermediate_size: int = 256
     max_positions: int = 256
     seed: int = 0
+    tie_embeddings: bool = True     # the output layer is the input embedding (as in Qwen3-4B, Llama-3.2)
 
 
 def _offline() -> bool:
@@ -128,6 +130,22 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
     return model.to(resolve_device(device))
 
 
+def checkpoint_format(lm, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` (by the names of `lm`'s modules) as a checkpoint holds them, one tensor at a time.
+
+    transformers 5 keeps some weights differently in memory than on disk: a mixture of experts'
+    per-expert matrices are fused into one tensor per layer, for example. A loader of checkpoints
+    (vLLM's) knows the disk's names only, so each tensor goes through the reverse of the
+    conversion that loaded it, as save_pretrained does. Identity for a model loaded as stored."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4 loads every model as stored
+        yield from weights
+        return
+    for name, tensor in weights:
+        yield from revert_weight_conversion(lm, {name: tensor}).items()
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -172,7 +190,7 @@ def build_toy_model(out_dir: Path, spec: ToyModelSpec = ToyModelSpec()) -> Path:
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_heads, max_position_embeddings=spec.max_positions,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=spec.tie_embeddings)
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config)
