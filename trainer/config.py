@@ -50,8 +50,9 @@ class RolloutConfig:
     # vllm only (trainer.rollout.vllm): a colocated engine per training process
     vllm_gpu_memory_utilization: float = 0.3  # share of each GPU for vLLM's weights and KV cache
     vllm_tensor_parallel_size: int = 1        # GPUs (training processes) one engine spans
-    vllm_sleep: bool = True         # release vLLM's GPU memory while the trainer trains
+    vllm_sleep: bool = True         # release vLLM's GPU memory while the trainer trains (CUDA only: off on CPU)
     vllm_max_model_len: int = 0     # prompt + completion tokens vLLM plans for (0: the model's maximum)
+    vllm_cpu_kvcache_gib: int = 1   # vLLM's CPU build: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB)
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,8 @@ def validate(config: RunConfig) -> None:
     if not 0 < r.vllm_gpu_memory_utilization <= 1:
         raise ConfigError("rollout.vllm_gpu_memory_utilization: must be in (0, 1], "
                           f"got {r.vllm_gpu_memory_utilization}")
+    if r.vllm_cpu_kvcache_gib < 1:
+        raise ConfigError(f"rollout.vllm_cpu_kvcache_gib: must be >= 1, got {r.vllm_cpu_kvcache_gib}")
     if r.vllm_tensor_parallel_size < 1:
         raise ConfigError(f"rollout.vllm_tensor_parallel_size: must be >= 1, got {r.vllm_tensor_parallel_size}")
     if not 0 < r.top_p <= 1:

@@ -32,7 +32,7 @@ import yaml
 
 from eval.verify import Verifier
 from trainer import checkpoint
-from trainer.config import ConfigError, RunConfig
+from trainer.config import ConfigError, RunConfig, from_dict
 from trainer.distributed import (
     World,
     full_optimizer_state,
@@ -119,6 +119,15 @@ class _SigtermFlag:
         signal.signal(signal.SIGTERM, self._previous)
 
 
+def _with_defaults(saved: Any) -> Any:
+    """A saved run config with the keys added to klstudy since it was written at their defaults, so
+    that such a run still resumes; as saved if it no longer validates (then it differs anyway)."""
+    try:
+        return from_dict(saved).to_dict()
+    except ConfigError:
+        return saved
+
+
 def check_before_loading(config: RunConfig) -> Task:
     """Everything that can be checked before a model loads: the model's location and the data."""
     try:
@@ -195,9 +204,7 @@ class Run:
         random.seed(c.train.seed)
 
     def _engine_model(self, replica):
-        """What the engine generates with: a replica when the policy is sharded, else the policy itself."""
-        if self.config.rollout.engine != "hf":
-            return self.config.model.path
+        """The model the engine is given: a replica when the policy is sharded, else the policy itself."""
         return replica if replica is not None else self.lm
 
     # --- run directory ----------------------------------------------------------------------
@@ -220,7 +227,7 @@ class Run:
         config_file = self.out / CONFIG
         wanted = self.config.to_dict()
         if config_file.exists():
-            existing = yaml.safe_load(config_file.read_text())
+            existing = _with_defaults(yaml.safe_load(config_file.read_text()))
             if existing != wanted:
                 changed = sorted(f"{s}.{k}" for s in wanted for k in set(wanted[s]) | set(existing.get(s, {}))
                                  if wanted[s].get(k) != existing.get(s, {}).get(k))

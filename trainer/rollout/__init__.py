@@ -21,7 +21,8 @@ def make_engine(config: RunConfig, model, tokenizer, world: World, weights: Weig
     """The engine `config.rollout.engine` names.
 
     model    hf: the trainer's own LM in one process, or a replica of it when the trainer's is
-             sharded; vllm: the model's path (vLLM loads its own copy)
+             sharded; vllm: the trainer's LM, whose parameter names `weights` carries (vLLM loads
+             its own copy from config.model.path)
     weights  the trainer's current parameters, whole, by name: what sync_weights loads into an
              engine that holds its own copy
     """
@@ -35,5 +36,5 @@ def make_engine(config: RunConfig, model, tokenizer, world: World, weights: Weig
 
         # trained in float32 under bf16 mixed precision: vLLM generates in bf16 as the trainer computes
         dtype = "bfloat16" if config.train.mixed_precision == "bf16" else config.model.dtype
-        return VLLMEngine(model, tokenizer, config.rollout, world, weights, dtype, config.train.seed)
+        return VLLMEngine(config.model.path, model, tokenizer, config.rollout, world, weights, dtype, config.train.seed)
     raise ValueError(f"rollout.engine: {engine!r} is not one of hf, vllm")

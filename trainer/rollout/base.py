@@ -60,6 +60,12 @@ class Rollouts:
         return cls(**state)
 
 
+def check_seeds(prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int]) -> None:
+    """One seed per prompt, as `RolloutEngine.generate` requires."""
+    if len(seeds) != len(prompt_ids):
+        raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts")
+
+
 def sample_seeds(seed: int, start: int, count: int) -> list[int]:
     """One sampling seed per prompt slot start..start+count-1 of a run seeded with `seed`.
 

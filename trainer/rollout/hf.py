@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from trainer.rollout.base import Rollouts, SamplingParams
+from trainer.rollout.base import Rollouts, SamplingParams, check_seeds
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -55,8 +55,7 @@ class HFEngine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: Sequence[int]) -> Rollouts:
-        if len(seeds) != len(prompt_ids):
-            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts")
+        check_seeds(prompt_ids, seeds)
         if self.stale:
             with torch.inference_mode(False):
                 self._refresh()

