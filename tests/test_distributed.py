@@ -1,14 +1,13 @@
 """Micro-batches, gradient checkpointing and several processes make the update one process makes."""
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from run_helpers import TOY_RUN, command, metrics, overrides, train_cli
 from safetensors.torch import load_file
 
 from trainer import config as run_config
@@ -16,14 +15,13 @@ from trainer.launch import train_command
 from trainer.loop import Run
 from trainer.objective import combine_stats
 
+# 2 steps, larger lr and beta, token-mean: what the comparisons of one process with several need
+RUN = {**TOY_RUN, "objective.beta": 0.1, "objective.loss_agg": "token-mean", "train.lr": "1e-3", "train.steps": 2,
+       "checkpoint.every": 1}
+
 
 def _overrides(model, **extra):
-    values = {
-        "model.path": str(model), "task.options": "{max_operand: 9}", "rollout.max_new_tokens": 4,
-        "rollout.stop": '["\\n"]', "objective.estimator": "k3", "objective.placement": "reward+loss",
-        "objective.beta": 0.1, "objective.loss_agg": "token-mean", "train.prompts_per_step": 4,
-        "train.group_size": 4, "train.lr": "1e-3", "train.steps": 2, "checkpoint.every": 1, **extra}
-    return [f"{k}={v}" for k, v in values.items()]
+    return overrides(model, RUN, **extra)
 
 
 def _one_step(model, tmp_path, name, **extra):
@@ -70,16 +68,15 @@ def test_combined_statistics_add_shares_and_keep_extremes():
 
 def test_the_launch_command():
     assert train_command("py", 1) == ["py", "-m", "trainer"]
-    command = train_command("py", 4)
-    assert command[2:5] == ["py", "-m", "accelerate.commands.launch"] and command[-2:] == ["-m", "trainer"]
-    assert command[command.index("--num_processes") + 1] == "4"
+    launch = train_command("py", 4)
+    assert launch[2:5] == ["py", "-m", "accelerate.commands.launch"] and launch[-2:] == ["-m", "trainer"]
+    assert launch[launch.index("--num_processes") + 1] == "4"
 
 
 def _train(out, model, processes, **extra):
-    command = [*train_command(sys.executable, processes), "train", "--out", str(out), *_overrides(model, **extra)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    done = train_cli(out, model, processes, 900, RUN, **extra)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return metrics(out)
 
 
 @pytest.mark.slow
@@ -117,8 +114,8 @@ def test_sigterm_stops_every_process_at_a_checkpoint_and_the_same_command_resume
     """As a scheduler's preemption does it: SIGTERM to the launcher's whole process group."""
     out = tmp_path / "two"
     extra = {"train.steps": 12, "checkpoint.every": 100}
-    command = [*train_command(sys.executable, 2), "train", "--out", str(out), *_overrides(warm_model, **extra)]
-    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    job_command = command(out, warm_model, 2, RUN, **extra)
+    job = subprocess.Popen(job_command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and job.poll() is None:
@@ -131,10 +128,10 @@ def test_sigterm_stops_every_process_at_a_checkpoint_and_the_same_command_resume
     saved = [p.name for p in (out / "checkpoints").iterdir()]
     assert len(saved) == 1 and not (out / "COMPLETE").exists(), (saved, stderr[-2000:])
     assert stderr.count("checkpoint written, exiting with 75") == 2  # both processes stopped cleanly
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(job_command, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stderr.count(f"resumed from checkpoint {saved[0]}") == 2
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics(out)
     assert [line["step"] for line in lines] == list(range(12))
     one = _train(tmp_path / "one", warm_model, 1, **extra)  # uninterrupted, one process
     for a, b in zip(one, lines, strict=True):
@@ -149,7 +146,6 @@ def test_a_bad_run_directory_stops_every_process_with_the_error(warm_model, tmp_
     out.mkdir()
     other = run_config.load(None, _overrides(warm_model, **{"train.lr": "5e-4"}))
     (out / "config.yaml").write_text(yaml.safe_dump(other.to_dict(), sort_keys=False))
-    command = [*train_command(sys.executable, 2), "train", "--out", str(out), *_overrides(warm_model)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = train_cli(out, warm_model, 2, 300, RUN)
     assert done.returncode != 0
     assert done.stderr.count("holds a run with a different config (train.lr)") == 2

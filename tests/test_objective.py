@@ -131,3 +131,65 @@ def test_mismatched_shapes_give_clear_errors():
         compute_loss(logp, ref, None, rewards, mask, 3, config)
     with pytest.raises(ValueError, match="old_logp has shape"):
         compute_loss(logp, ref, logp[:2], rewards, mask, 2, config)
+
+
+# --- truncated importance sampling against the rollout engine (objective.tis_cap) ---------------
+
+def _loss_and_grad(logp, ref, old, rewards, mask, config, engine=None):
+    theta = logp.clone().requires_grad_(True)
+    loss, stats = compute_loss(theta, ref, old, rewards, mask, 2, config, engine_logp=engine)
+    loss.backward()
+    return loss.detach(), theta.grad, stats
+
+
+@pytest.mark.parametrize("off_policy", [False, True])
+@pytest.mark.parametrize("clip_eps", [None, 0.2])
+def test_tis_is_the_identity_when_the_engine_is_exact(off_policy, clip_eps):
+    """The engine's log-probs equal the trainer's (old_logp, or pi_theta on-policy): weight 1."""
+    logp, ref, rewards, mask = _batch()
+    old = logp - 0.3 * torch.tensor([[1.0, -1.0], [0.5, 0.0], [-0.2, 0.4], [0.1, 0.1]], dtype=torch.float64)
+    old = old if off_policy else None
+    base = ObjectiveConfig(estimator="k3", placement="reward+loss", beta=0.1, clip_eps=clip_eps)
+    exact_engine = logp if old is None else old
+    loss, grad, _ = _loss_and_grad(logp, ref, old, rewards, mask, base)
+    tis_loss, tis_grad, stats = _loss_and_grad(logp, ref, old, rewards, mask,
+                                               ObjectiveConfig(**{**base.__dict__, "tis_cap": 2.0}), exact_engine)
+    assert tis_loss.item() == loss.item() and torch.equal(tis_grad, grad)
+    assert stats["tis_weight_mean"] == 1.0 and stats["tis_weight_min"] == 1.0 and stats["tis_truncated_frac"] == 0.0
+
+
+def test_tis_weights_and_truncates_each_token():
+    logp, ref, rewards, mask = _batch()
+    engine = logp.clone()
+    engine[0, 0] += math.log(2.0)   # the engine made this token twice as likely: weight 1/2
+    engine[2, 1] -= math.log(5.0)   # five times less likely: weight 5, truncated at 2
+    config = ObjectiveConfig(placement="none", tis_cap=2.0)
+    _, grad, stats = _loss_and_grad(logp, ref, None, rewards, mask, config, engine)
+    _, plain, _ = _loss_and_grad(logp, ref, None, rewards, mask, ObjectiveConfig(placement="none"))
+    expected = plain.clone()
+    expected[0, 0] *= 0.5
+    expected[2, 1] *= 2.0
+    assert torch.allclose(grad, expected)
+    assert stats["tis_truncated_frac"] == pytest.approx(1 / 7) and stats["tis_weight_min"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="tis_cap: compute_loss needs engine_logp"):
+        compute_loss(logp, ref, None, rewards, mask, 2, config)
+    with pytest.raises(ValueError, match="tis_cap: must be None or a number >= 1"):
+        ObjectiveConfig(tis_cap=0.5)
+
+
+def test_tis_makes_an_inexact_engine_exactly_unbiased_for_one_token_responses():
+    """Exact enumeration: samples from an engine mu != pi that the trainer takes for on-policy.
+    Uncorrected, the policy gradient is E_mu[A grad log pi], biased; untruncated TIS gives exactly
+    E_pi[A grad log pi] (RLOO's baseline stays independent of each sample). Longer responses get
+    token ratios, which are only a first-order correction (KL_THEORY.md): biased there."""
+    from trainer.audit import AuditInstance, expected_gradient, rel_error
+
+    base = ObjectiveConfig(placement="none", advantage="rloo")
+    untruncated = ObjectiveConfig(placement="none", advantage="rloo", tis_cap=1e12)
+    one_token = AuditInstance.random(vocab=4, length=1, seed=3, behaviour_shift=1.0)
+    exact = expected_gradient(one_token, base, 2, off_policy=False)
+    assert rel_error(expected_gradient(one_token, untruncated, 2, False, engine_mismatch=True), exact) < 1e-10
+    assert rel_error(expected_gradient(one_token, base, 2, False, engine_mismatch=True), exact) > 0.05
+    two_tokens = AuditInstance.random(vocab=3, length=2, seed=3, behaviour_shift=1.0)
+    exact = expected_gradient(two_tokens, base, 2, off_policy=False)
+    assert rel_error(expected_gradient(two_tokens, untruncated, 2, False, engine_mismatch=True), exact) > 1e-3

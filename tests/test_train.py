@@ -7,11 +7,11 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import metrics, overrides, start_cli, train_cli, wait_for_lines
 from safetensors.torch import load_file
 
 from trainer import checkpoint
@@ -19,52 +19,8 @@ from trainer import config as run_config
 from trainer.loop import COMPLETE, EXIT_PREEMPTED, TIMING_KEYS, Run, TrainingError
 
 
-def _overrides(model, **extra):
-    values = {
-        "model.path": str(model),
-        "task.options": "{max_operand: 9}",
-        "rollout.max_new_tokens": 4,
-        "rollout.stop": '["\\n"]',
-        "objective.estimator": "k3",
-        "objective.placement": "reward+loss",
-        "objective.beta": 0.05,
-        "train.steps": 20,
-        "train.prompts_per_step": 4,
-        "train.group_size": 4,
-        "train.lr": "3e-4",
-        "checkpoint.every": 5,
-        **extra,
-    }
-    return [f"{k}={v}" for k, v in values.items()]
-
-
-def train_cli(out, model, timeout=600, **extra):
-    return subprocess.run([sys.executable, "-m", "trainer", "train", "--out", str(out), *_overrides(model, **extra)],
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def start_cli(out, model, **extra):
-    return subprocess.Popen([sys.executable, "-m", "trainer", "train", "--out", str(out), *_overrides(model, **extra)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def metrics(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
 def weights(out):
     return load_file(Path(out) / "final" / "model.safetensors")
-
-
-def wait_for_lines(out, count, process, timeout=300):
-    deadline = time.monotonic() + timeout
-    path = Path(out) / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= count:
-            return
-        assert process.poll() is None, process.stderr.read()
-        time.sleep(0.05)
-    raise AssertionError(f"no {count} metrics lines within {timeout} s")
 
 
 REFERENCE_CHECKPOINTS = {"checkpoint.every": 1, "checkpoint.keep_every": 5}
@@ -87,6 +43,8 @@ def test_toy_run_end_to_end(reference_run, warm_model):
                 "grad_norm", "tokens_per_s", "step_time", "verifier_timeouts", "policy_step"):
         assert all(key in m and m[key] == m[key] for m in lines), key  # present and not NaN
     assert lines[0]["kl_k3"] == 0.0 and lines[-1]["kl_k3"] > 0  # starts at the reference, then moves
+    # one process: the hf engine samples with the trainer's own model, so the mismatch is rounding only
+    assert all(m["mismatch_logp_max"] < 1e-4 and 0 <= m["mismatch_kl"] < 1e-8 for m in lines)
     assert (out / COMPLETE).exists() and (out / "config.yaml").exists()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -159,7 +117,7 @@ def _weights_hash(model):
 
 @pytest.mark.parametrize("level", [0, 2])
 def test_async_level_trains_step_s_on_rollouts_of_the_policy_of_step_s_minus_k(warm_model, tmp_path, level):
-    config = run_config.load(None, _overrides(warm_model, **{"train.async_level": level, "train.steps": 6}))
+    config = run_config.load(None, overrides(warm_model, **{"train.async_level": level, "train.steps": 6}))
     run = Run(config, tmp_path / f"async{level}")
     generated_with, trained_on, start_of = {}, {}, {}
     generate = run._generate
@@ -187,7 +145,7 @@ def test_async_level_trains_step_s_on_rollouts_of_the_policy_of_step_s_minus_k(w
 def test_non_finite_updates_are_skipped_then_stop_the_run(warm_model, tmp_path, monkeypatch):
     import trainer.loop as loop
 
-    config = run_config.load(None, _overrides(warm_model, **{"train.max_nonfinite_updates": 2}))
+    config = run_config.load(None, overrides(warm_model, **{"train.max_nonfinite_updates": 2}))
     run = Run(config, tmp_path / "nan")
     real = loop.compute_loss
     monkeypatch.setattr(loop, "compute_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
@@ -210,7 +168,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(warm_model, tmp_path, 
 ])
 def test_bad_configs_fail_before_any_model_loads_with_one_clear_message(warm_model, tmp_path, override, message):
     result = subprocess.run([sys.executable, "-m", "trainer", "train", "--out", str(tmp_path / "bad"),
-                             *_overrides(warm_model), override], capture_output=True, text=True, timeout=120)
+                             *overrides(warm_model), override], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
@@ -221,7 +179,7 @@ def test_empty_data_set_is_a_clear_error(warm_model, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     result = subprocess.run([sys.executable, "-m", "trainer", "train", "--out", str(tmp_path / "run"),
-                             *_overrides(warm_model), "task.name=math", f"task.options={{path: {empty}}}"],
+                             *overrides(warm_model), "task.name=math", f"task.options={{path: {empty}}}"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "has no records" in result.stderr and "Traceback" not in result.stderr
 
@@ -251,15 +209,15 @@ def test_reward_rises_on_arithmetic(warm_model, tmp_path):
 def test_minibatches_and_epochs_make_several_off_policy_updates_per_batch(warm_model, tmp_path, monkeypatch):
     import trainer.loop as loop
 
-    config = run_config.load(None, _overrides(warm_model, **{
+    config = run_config.load(None, overrides(warm_model, **{
         "train.minibatches": 2, "train.epochs": 2, "objective.clip_eps": 0.2, "rollout.recompute_logprobs": "true"}))
     run = Run(config, tmp_path / "ppo")
     seen = []
     real = loop.compute_loss
 
-    def recording(logp, ref_logp, old_logp, rewards, mask, group_size, objective, totals):
+    def recording(logp, ref_logp, old_logp, rewards, mask, group_size, objective, *rest):
         seen.append((logp.shape[0], old_logp is not None, float(((logp.detach() - old_logp).abs() * mask).max())))
-        return real(logp, ref_logp, old_logp, rewards, mask, group_size, objective, totals)
+        return real(logp, ref_logp, old_logp, rewards, mask, group_size, objective, *rest)
 
     monkeypatch.setattr(loop, "compute_loss", recording)
     line = run.run_step()
@@ -268,6 +226,15 @@ def test_minibatches_and_epochs_make_several_off_policy_updates_per_batch(warm_m
     assert seen[0][2] < 1e-4  # recomputed by the trainer: the first update starts at ratio 1
     assert seen[2][2] > 1e-6  # after two updates the policy has moved: a real off-policy ratio
     assert 0.0 <= line["clip_frac"] <= 1.0
+
+
+def test_tis_against_an_exact_engine_weights_every_token_by_one(warm_model, tmp_path):
+    config = run_config.load(None, overrides(warm_model, **{"objective.tis_cap": 2.0, "train.minibatches": 2}))
+    run = Run(config, tmp_path / "tis")
+    line = run.run_step()
+    run.verifier.close()
+    assert line["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5) and line["tis_truncated_frac"] == 0.0
+    assert line["mismatch_logp_mean"] < 1e-5
 
 
 def test_resume_drops_a_torn_metrics_line(tmp_path):

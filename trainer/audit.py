@@ -62,8 +62,12 @@ class AuditInstance:
 
 
 def expected_gradient(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
-                      off_policy: bool, groups: Tensor | None = None) -> Tensor:
+                      off_policy: bool, groups: Tensor | None = None, engine_mismatch: bool = False) -> Tensor:
     """E over groups sampled from pi (or mu when off_policy) of grad_theta compute_loss.
+
+    engine_mismatch: the groups come from mu, an inexact rollout engine, while the trainer takes
+    them for on-policy (old_logp None) and is given mu's log-probs as the engine's (`engine_logp`,
+    which objective.tis_cap corrects with).
 
     Exact: every ordered group of `group_size` sequences is enumerated and weighted by its
     probability; sampling itself is not differentiated, as in training.
@@ -73,7 +77,7 @@ def expected_gradient(inst: AuditInstance, config: ObjectiveConfig, group_size: 
     theta = inst.logits.clone().requires_grad_(True)
     logp = space.token_logp(theta)
     ref_logp = space.token_logp(inst.ref_logits)
-    sampler_logits = inst.behaviour_logits if off_policy else inst.logits
+    sampler_logits = inst.behaviour_logits if off_policy or engine_mismatch else inst.logits
     sampler_token_logp = space.token_logp(sampler_logits)
     group_logp = sampler_token_logp.sum(-1)[groups].sum(-1)
     weights = group_logp.exp()
@@ -81,7 +85,9 @@ def expected_gradient(inst: AuditInstance, config: ObjectiveConfig, group_size: 
     total = theta.new_zeros(())
     for rows, weight in zip(groups, weights, strict=True):
         old = sampler_token_logp[rows] if off_policy else None
-        loss, _ = compute_loss(logp[rows], ref_logp[rows], old, inst.rewards[rows], mask, group_size, config)
+        engine = sampler_token_logp[rows] if engine_mismatch else None
+        loss, _ = compute_loss(logp[rows], ref_logp[rows], old, inst.rewards[rows], mask, group_size, config,
+                               engine_logp=engine)
         total = total + weight * loss
     (grad,) = torch.autograd.grad(total, theta)
     return grad

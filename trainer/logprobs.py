@@ -46,15 +46,23 @@ def pack(rollouts: Rollouts, pad_id: int) -> PackedBatch:
     input_ids = torch.full((batch, width + length), pad_id, dtype=torch.long)
     attention = torch.zeros((batch, width + length), dtype=torch.long)
     completion_mask = torch.zeros((batch, length))
-    behaviour = torch.zeros((batch, length))
-    for i, (prompt, tokens, logp) in enumerate(zip(prompts, rollouts.token_ids, rollouts.logprobs, strict=True)):
+    for i, (prompt, tokens) in enumerate(zip(prompts, rollouts.token_ids, strict=True)):
         input_ids[i, width - len(prompt):width] = torch.tensor(prompt)
         attention[i, width - len(prompt):width + len(tokens)] = 1
         if tokens:
             input_ids[i, width:width + len(tokens)] = torch.tensor(tokens)
             completion_mask[i, :len(tokens)] = 1
-            behaviour[i, :len(tokens)] = torch.tensor(logp)
+    behaviour = token_matrix(rollouts.logprobs, length)
     return PackedBatch(input_ids, attention, input_ids[:, width:].clone(), completion_mask, behaviour, width)
+
+
+def token_matrix(rows: list[list[float]], length: int) -> torch.Tensor:
+    """Per-token values of completions (ragged rows) as a [B, length] float tensor, 0 after each row."""
+    out = torch.zeros((len(rows), length))
+    for i, row in enumerate(rows):
+        if row:
+            out[i, :len(row)] = torch.tensor(row)
+    return out
 
 
 class CompletionLogprobs(torch.nn.Module):

@@ -42,7 +42,7 @@ from trainer.distributed import (
     load_optimizer_state,
     shard,
 )
-from trainer.logprobs import CompletionLogprobs, PackedBatch, pack
+from trainer.logprobs import CompletionLogprobs, PackedBatch, pack, token_matrix
 from trainer.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
 from trainer.objective import combine_stats, compute_loss
 from trainer.progress import progress_bar
@@ -67,11 +67,39 @@ class Preempted(Exception):
 
 @dataclass
 class PendingBatch:
-    """Rollouts generated ahead of the step that trains on them (async_level > 0)."""
+    """Rollouts and their rewards, generated ahead of the step that trains on them when async_level > 0.
+
+    trainer_logprobs  the trainer's log-probs of the sampled tokens under the policy that sampled
+                      them (computed right after generation); rollouts.logprobs are the engine's
+    """
 
     policy_step: int
     rollouts: Rollouts
     rewards: list[float]
+    trainer_logprobs: list[list[float]]
+
+    def to_state(self) -> dict[str, Any]:
+        return {"policy_step": self.policy_step, "rollouts": self.rollouts.to_state(), "rewards": self.rewards,
+                "trainer_logprobs": self.trainer_logprobs}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "PendingBatch":
+        rollouts = Rollouts.from_state(state["rollouts"])
+        trainer_logprobs = state.get("trainer_logprobs")
+        if trainer_logprobs is None:  # a checkpoint from before they were kept: the engine's stand in
+            log.warning("a pending batch of the checkpoint has no trainer log-probs; the engine's stand in for them")
+            trainer_logprobs = rollouts.logprobs
+        return cls(state["policy_step"], rollouts, state["rewards"], trainer_logprobs)
+
+
+def mismatch_sums(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's log-probs of sampled tokens are from the trainer's, as sums over tokens
+    (so that processes add up): |delta log p| and k3 = r - 1 - log r with r = pi_trainer / mu_engine,
+    whose mean estimates KL(mu_engine || pi_trainer) per token from the engine's samples (>= 0)."""
+    log_ratio = (trainer_logp.double() - engine_logp.double()) * mask
+    k3 = (torch.expm1(log_ratio) - log_ratio) * mask  # expm1 in float64: no rounding below 0 near r = 1
+    return {"abs_sum": float(log_ratio.abs().sum()), "abs_max": float(log_ratio.abs().max()),  # pack: >= 1 column
+            "k3_sum": float(k3.sum()), "tokens": float(mask.sum())}
 
 
 def _schedule(config: RunConfig, total_updates: int):
@@ -246,8 +274,7 @@ class Run:
         """What differs between processes: random states, rollouts generated ahead, verifier counts."""
         return {
             "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
-            "pending": [{"policy_step": p.policy_step, "rollouts": p.rollouts.to_state(), "rewards": p.rewards}
-                        for p in self.pending],
+            "pending": [p.to_state() for p in self.pending],
             "verifier_counts": dict(self.verifier.counts),
         }
 
@@ -268,8 +295,7 @@ class Run:
         torch.set_rng_state(mine["torch_rng"])
         np.random.set_state(mine["numpy_rng"])
         random.setstate(mine["python_rng"])
-        self.pending = deque(PendingBatch(p["policy_step"], Rollouts.from_state(p["rollouts"]), p["rewards"])
-                             for p in mine["pending"])
+        self.pending = deque(PendingBatch.from_state(p) for p in mine["pending"])
         self.verifier.counts.update(mine["verifier_counts"])
         if self.world.main:
             self._truncate_metrics(step)
@@ -313,14 +339,12 @@ class Run:
         indices, seeds = zip(*self.world.my_share(list(zip(indices, seeds, strict=True)), t.minibatches), strict=True)
         prompt_ids, problems = self._encode_prompts(list(indices))
         rollouts = self.engine.generate(prompt_ids, self.params, list(seeds))
-        if self.config.rollout.recompute_logprobs:
-            with torch.no_grad():
-                batch = pack(rollouts, self.tokenizer.pad_token_id).to(self.device)
-                logp, _ = self._logprobs(self.policy, batch)
-            rollouts.logprobs = [row[: len(t)].tolist() for row, t in zip(logp.cpu(), rollouts.token_ids, strict=True)]
+        with torch.no_grad():  # the policy that just sampled, as the trainer computes it
+            logp, _ = self._logprobs(self.policy, pack(rollouts, self.tokenizer.pad_token_id).to(self.device))
+        trainer_logprobs = [row[: len(t)].tolist() for row, t in zip(logp.cpu(), rollouts.token_ids, strict=True)]
         expanded = [p for p in problems for _ in range(self.params.n)]
         rewards = self.task.reward(rollouts.texts, expanded, self.verifier)
-        return PendingBatch(self.step, rollouts, rewards)
+        return PendingBatch(self.step, rollouts, rewards, trainer_logprobs)
 
     def _logprobs(self, model: CompletionLogprobs, batch: PackedBatch, with_entropy: bool = False):
         if self.autocast_dtype is None:
@@ -329,7 +353,8 @@ class Run:
             return model(batch, with_entropy)
 
     def _update(self, batch: PackedBatch, rewards: torch.Tensor, ref_logp: torch.Tensor,
-                old_logp: torch.Tensor | None, with_entropy: bool) -> dict[str, float]:
+                old_logp: torch.Tensor | None, engine_logp: torch.Tensor | None,
+                with_entropy: bool) -> dict[str, float]:
         """One optimizer update on this process's part of a minibatch (whole groups), a micro-batch at
         a time; skipped everywhere if any process's loss or gradient is non-finite."""
         c, world = self.config, self.world
@@ -346,7 +371,8 @@ class Run:
             micro = batch.rows(part)
             logp, entropy = self._logprobs(self.policy, micro, with_entropy)
             loss, stats = compute_loss(logp, ref_logp[part], None if old_logp is None else old_logp[part],
-                                       rewards[part], micro.completion_mask, c.train.group_size, c.objective, totals)
+                                       rewards[part], micro.completion_mask, c.train.group_size, c.objective, totals,
+                                       None if engine_logp is None else engine_logp[part])
             (loss * world.size).backward()  # FSDP averages gradients over processes; the parts must add up
             stats["loss"] = float(loss.detach())
             if entropy is not None:
@@ -382,25 +408,33 @@ class Run:
         rewards = torch.tensor(entry.rewards, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             ref_logp, _ = self._logprobs(self.reference, batch)
+        engine_logp = batch.behaviour_logp
+        trainer_logp = token_matrix(entry.trainer_logprobs, engine_logp.shape[1]).to(self.device)
+        mismatch = mismatch_sums(engine_logp, trainer_logp, batch.completion_mask)
+        # the behaviour policy as the trainer sees it: its own log-probs where it recomputes them or
+        # corrects the engine with TIS (which then weights by trainer / engine), else the engine's
+        tis = c.objective.tis_cap is not None
+        behaviour = trainer_logp if c.rollout.recompute_logprobs or tis else engine_logp
         exactly_on_policy = c.train.async_level == 0 and c.train.minibatches == 1 and c.train.epochs == 1
-        old_logp = None if exactly_on_policy else batch.behaviour_logp
+        old_logp = None if exactly_on_policy else behaviour
         rows = len(entry.rollouts) // c.train.minibatches
         updates: list[dict[str, float]] = []
         for epoch in range(c.train.epochs):
             for start in range(0, len(entry.rollouts), rows):
                 part = slice(start, start + rows)
                 updates.append(self._update(batch.rows(part), rewards[part], ref_logp[part],
-                                            None if old_logp is None else old_logp[part], epoch == 0))
+                                            None if old_logp is None else old_logp[part],
+                                            engine_logp[part] if tis else None, epoch == 0))
         self.engine.sync_weights()
         t_end = time.perf_counter()
-        metrics = self._metrics(entry, batch, updates, t0, t_gen, t_end)
+        metrics = self._metrics(entry, batch, updates, mismatch, t0, t_gen, t_end)
         self.step += 1
         return metrics
 
     def _metrics(self, entry: PendingBatch, batch: PackedBatch, updates: list[dict[str, float]],
-                 t0: float, t_gen: float, t_end: float) -> dict[str, Any]:
+                 mismatch: dict[str, float], t0: float, t_gen: float, t_end: float) -> dict[str, Any]:
         """One line of metrics.jsonl: the updates' statistics (already over every process) and the
-        step's rewards, lengths and counts summed over the processes."""
+        step's rewards, lengths, counts and engine mismatch summed over the processes."""
         first_epoch = updates[: self.config.train.minibatches]
         averaged = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "entropy"}
         averaged["entropy"] = sum(u["entropy"] for u in first_epoch) / len(first_epoch)
@@ -408,12 +442,13 @@ class Run:
         processes = self.world.gather({
             "rewards": entry.rewards, "stops": sum(f == "stop" for f in entry.rollouts.finish_reasons),
             "generated": sum(len(t) for t in entry.rollouts.token_ids), "trained": batch.tokens,
-            "verifier": dict(self.verifier.counts)})
+            "verifier": dict(self.verifier.counts), "mismatch": mismatch})
         rewards = [r for p in processes for r in p["rewards"]]
         generated = sum(p["generated"] for p in processes)
         trained = sum(p["trained"] for p in processes) * self.config.train.epochs
         verifier = {k: float(sum(p["verifier"].get(k, 0) for p in processes))
                     for k in ("timeouts", "errors", "rejected")}
+        mismatch_tokens = max(1.0, sum(p["mismatch"]["tokens"] for p in processes))
         return {
             "step": self.step,
             "policy_step": entry.policy_step,
@@ -422,6 +457,9 @@ class Run:
             **averaged,
             "lr": self.scheduler.get_last_lr()[0],
             "stop_frac": sum(p["stops"] for p in processes) / len(rewards),
+            "mismatch_logp_mean": sum(p["mismatch"]["abs_sum"] for p in processes) / mismatch_tokens,
+            "mismatch_logp_max": max(p["mismatch"]["abs_max"] for p in processes),
+            "mismatch_kl": sum(p["mismatch"]["k3_sum"] for p in processes) / mismatch_tokens,
             "verifier_timeouts": verifier["timeouts"],
             "verifier_errors": verifier["errors"],
             "verifier_rejected": verifier["rejected"],

@@ -45,12 +45,11 @@ def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int |
 
 
 def _check_inputs(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, rewards: Tensor,
-                  mask: Tensor, group_size: int) -> None:
+                  mask: Tensor, group_size: int, engine_logp: Tensor | None) -> None:
     if logp.dim() != 2:
         raise ValueError(f"logp must have shape [B, T], got {tuple(logp.shape)}")
-    named = {"ref_logp": ref_logp, "mask": mask}
-    if old_logp is not None:
-        named["old_logp"] = old_logp
+    named = {"ref_logp": ref_logp, "mask": mask, "old_logp": old_logp, "engine_logp": engine_logp}
+    named = {name: tensor for name, tensor in named.items() if tensor is not None}
     for name, tensor in named.items():
         if tensor.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
@@ -69,6 +68,7 @@ def compute_loss(
     group_size: int,
     config: ObjectiveConfig,
     totals: tuple[float, float] | None = None,
+    engine_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The scalar loss to minimise and a dict of plain-float statistics.
 
@@ -81,8 +81,13 @@ def compute_loss(
     B = prompts x group_size, each group in consecutive rows.
     totals    (rows, tokens) of the whole batch when these rows are one part of it (see `aggregate`);
               the part's loss and loss statistics are then its share of the whole batch's.
+    engine_logp  [B, T] log-probs the rollout engine sampled with, for config.tis_cap (truncated
+              importance sampling of the policy-gradient term from the engine to the trainer's
+              policy); ignored when tis_cap is None
     """
-    _check_inputs(logp, ref_logp, old_logp, rewards, mask, group_size)
+    _check_inputs(logp, ref_logp, old_logp, rewards, mask, group_size, engine_logp)
+    if config.tis_cap is not None and engine_logp is None:
+        raise ValueError("objective.tis_cap: compute_loss needs engine_logp, the engine's own log-probs")
     estimate = kl.estimate(config.estimator, logp, ref_logp)
     dtype = estimate.dtype
     maskf = mask.to(dtype)
@@ -104,6 +109,11 @@ def compute_loss(
         pg_clipped = -torch.clamp(ratio, 1 - config.clip_eps, 1 + high) * adv_t
         clipped = pg_clipped > pg
         pg = torch.maximum(pg, pg_clipped)
+    tis = None
+    if config.tis_cap is not None:
+        # old / mu_engine, truncated: a non-negative constant per token, so it scales the clipped term as is
+        tis = torch.exp(old.detach() - engine_logp.to(dtype)).clamp(max=config.tis_cap)
+        pg = tis * pg
     loss_pg = aggregate(pg, maskf, config.loss_agg, config.norm_length, totals)
 
     loss = loss_pg
@@ -115,6 +125,8 @@ def compute_loss(
         loss = loss + loss_kl
 
     stats = _stats(logp_c, ref_logp, rewards, shaped, adv, ratio, clipped, maskf, loss_pg, loss_kl, config)
+    if tis is not None:
+        stats.update(_tis_stats(tis, maskf, config.tis_cap))
     return loss, stats
 
 
@@ -151,6 +163,15 @@ def _stats(logp: Tensor, ref_logp: Tensor, rewards: Tensor, shaped: Tensor, adv:
     }
     numbers = torch.stack([v.to(maskf.dtype) for v in values.values()]).tolist()
     return dict(zip(values, numbers, strict=True))
+
+
+@torch.no_grad()
+def _tis_stats(tis: Tensor, maskf: Tensor, cap: float) -> dict[str, float]:
+    """How far the truncated engine weights are from 1, over response tokens."""
+    tokens = maskf.bool()
+    weights = tis[tokens] if tokens.any() else tis.new_ones(1)
+    return {"tis_weight_mean": float(weights.mean()), "tis_weight_min": float(weights.min()),
+            "tis_truncated_frac": float((weights >= cap).to(maskf.dtype).mean())}
 
 
 def combine_stats(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -42,6 +42,13 @@ class ObjectiveConfig:
                     differentiable  beta * rho * k          DeepSeek-V3.2 / TRL
                                                             use_bias_correction_kl; NOT a no-op
                                                             on-policy (turns k3 into k2)
+    tis_cap         truncated importance sampling of the policy-gradient term against the
+                    rollout engine: each token's term is weighted by
+                    sg(min(pi_old / mu_engine, tis_cap)), where mu_engine is the distribution the
+                    engine really sampled from and pi_old the trainer's own log-probs of the
+                    policy that sampled (pi_theta itself on-policy). None = off. The identity
+                    when the engine is exact (weight 1); >= 1, so an exact engine is never
+                    down-weighted (verl, slime and OpenRLHF ship this correction)
     """
 
     estimator: str = "k1"
@@ -54,6 +61,7 @@ class ObjectiveConfig:
     clip_eps: float | None = None
     clip_eps_high: float | None = None
     kl_loss_ratio: str = "none"
+    tis_cap: float | None = None
 
     def __post_init__(self) -> None:
         _choice("estimator", self.estimator, ESTIMATORS)
@@ -75,6 +83,8 @@ class ObjectiveConfig:
             value = getattr(self, key)
             if value is not None and not (isinstance(value, (int, float)) and 0 < value):
                 raise ValueError(f"ObjectiveConfig.{key}: must be None or a number > 0, got {value!r}")
+        if self.tis_cap is not None and not (isinstance(self.tis_cap, (int, float)) and self.tis_cap >= 1):
+            raise ValueError(f"ObjectiveConfig.tis_cap: must be None or a number >= 1, got {self.tis_cap!r}")
         if self.clip_eps is not None and self.clip_eps >= 1:
             raise ValueError(f"ObjectiveConfig.clip_eps: must be < 1, got {self.clip_eps}")
         if self.clip_eps_high is not None and self.clip_eps is None:

@@ -1,0 +1,60 @@
+"""Run the trainer from tests: a toy run's overrides, its command line (one process or several under
+accelerate launch), and what it writes."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trainer.launch import train_command
+
+# A short run on the warm toy model: 4 prompts x 4 samples of up to 4 tokens per step.
+TOY_RUN = {
+    "task.options": "{max_operand: 9}",
+    "rollout.max_new_tokens": 4,
+    "rollout.stop": '["\\n"]',
+    "objective.estimator": "k3",
+    "objective.placement": "reward+loss",
+    "objective.beta": 0.05,
+    "train.steps": 20,
+    "train.prompts_per_step": 4,
+    "train.group_size": 4,
+    "train.lr": "3e-4",
+    "checkpoint.every": 5,
+}
+
+
+def overrides(model, base=TOY_RUN, **extra):
+    """`key=value` arguments: the model, then `base`, then `extra` (dotted keys)."""
+    return [f"{k}={v}" for k, v in {"model.path": str(model), **base, **extra}.items()]
+
+
+def command(out, model, processes=1, base=TOY_RUN, **extra):
+    return [*train_command(sys.executable, processes), "train", "--out", str(out), *overrides(model, base, **extra)]
+
+
+def train_cli(out, model, processes=1, timeout=600, base=TOY_RUN, **extra):
+    return subprocess.run(command(out, model, processes, base, **extra), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start_cli(out, model, base=TOY_RUN, **extra):
+    return subprocess.Popen(command(out, model, 1, base, **extra), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_for_lines(out, count, process, timeout=300):
+    """Until the run in `out` has written `count` metrics lines (its process must not have ended)."""
+    deadline = time.monotonic() + timeout
+    path = Path(out) / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        assert process.poll() is None, process.stderr.read()
+        time.sleep(0.05)
+    raise AssertionError(f"no {count} metrics lines within {timeout} s")

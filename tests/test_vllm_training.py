@@ -1,0 +1,36 @@
+"""Training with rollouts from vLLM (its CPU build here; CI requires it): rollouts a step ahead of
+the policy, SIGKILL, resume. Each run starts its own engine, so this is one run and its resumption."""
+
+import signal
+
+import pytest
+from run_helpers import metrics, start_cli, train_cli, wait_for_lines
+from vllm_required import require_vllm
+
+from trainer.loop import COMPLETE
+
+VLLM_RUN = {"rollout.engine": "vllm", "train.async_level": 1, "train.steps": 6, "checkpoint.every": 1,
+            "objective.tis_cap": 2.0}
+
+
+@pytest.mark.slow
+def test_a_vllm_run_a_step_ahead_survives_sigkill_and_resumes(warm_model, tmp_path):
+    require_vllm()
+    out = tmp_path / "vllm"
+    process = start_cli(out, warm_model, **VLLM_RUN)
+    wait_for_lines(out, 3, process, timeout=600)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    assert not (out / COMPLETE).exists()
+    resumed = train_cli(out, warm_model, timeout=900, **VLLM_RUN)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint" in resumed.stderr and "vLLM 0.32.0 on the cpu" in resumed.stderr
+    lines = metrics(out)
+    assert [m["step"] for m in lines] == list(range(6))
+    # async_level 1: step s trains on the rollouts of the policy of step s - 1 (the first two on step 0's)
+    assert [m["policy_step"] for m in lines] == [0, 0, 1, 2, 3, 4]
+    for m in lines:  # vLLM samples from the trainer's weights, synced every step, in float32
+        assert m["mismatch_logp_max"] < 1e-3 and m["mismatch_kl"] < 1e-7, m
+        assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert sum(m["reward_mean"] for m in lines) / len(lines) > 0.1  # vLLM's texts reach the verifier and score
+    assert (out / COMPLETE).exists()
