@@ -46,6 +46,14 @@ class ToyModelSpec:
     max_positions: int = 256
     seed: int = 0
     tie_embeddings: bool = True     # the output layer is the input embedding (as in Qwen3-4B, Llama-3.2)
+    num_kv_heads: int = 0           # grouped-query attention's key/value heads (0: num_heads)
+    vocab_size: int = 0             # > the characters' vocabulary: pad it with unused tokens, as real models are
+
+
+# A random model of a real model's shape: Qwen2.5-0.5B's sizes on the Llama architecture (494 M
+# parameters; no attention biases), with the character tokenizer padded to Qwen's 151,936 tokens.
+QWEN_05B_SHAPE = ToyModelSpec(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                              intermediate_size=4864, max_positions=2048, vocab_size=151936)
 
 
 def _offline() -> bool:
@@ -164,12 +172,15 @@ def format_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def build_toy_tokenizer():
-    """A character-level PreTrainedTokenizerFast: one token per printable ASCII character."""
+def build_toy_tokenizer(vocab_size: int = 0):
+    """A character-level PreTrainedTokenizerFast: one token per printable ASCII character, then
+    unused `<extra_i>` tokens up to `vocab_size` (if larger)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate((*TOY_SPECIAL_TOKENS, *TOY_CHARACTERS))}
+    tokens = (*TOY_SPECIAL_TOKENS, *TOY_CHARACTERS)
+    tokens += tuple(f"<extra_{i}>" for i in range(vocab_size - len(tokens)))
+    vocab = {token: i for i, token in enumerate(tokens)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -184,11 +195,11 @@ def build_toy_model(out_dir: Path, spec: ToyModelSpec = ToyModelSpec()) -> Path:
     """Write a randomly initialised toy Llama and its tokenizer to `out_dir` (atomically)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_toy_tokenizer()
+    tokenizer = build_toy_tokenizer(spec.vocab_size)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads, max_position_embeddings=spec.max_positions,
+        num_key_value_heads=spec.num_kv_heads or spec.num_heads, max_position_embeddings=spec.max_positions,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=spec.tie_embeddings)
     with torch.random.fork_rng():
