@@ -34,3 +34,19 @@ def test_a_vllm_run_a_step_ahead_survives_sigkill_and_resumes(warm_model, tmp_pa
         assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
     assert sum(m["reward_mean"] for m in lines) / len(lines) > 0.1  # vLLM's texts reach the verifier and score
     assert (out / COMPLETE).exists()
+
+
+@pytest.mark.slow
+def test_two_processes_each_with_its_engine_make_the_run_of_one(warm_model, tmp_path):
+    """accelerate launch, two CPU processes (gloo, FSDP2), a vLLM engine in each in its external-launcher
+    mode: the same samples and updates as one process, and a clean exit (vLLM's process groups are
+    torn down before the trainer's)."""
+    require_vllm()
+    extra = {"rollout.engine": "vllm", "train.steps": 3, "train.prompts_per_step": 8, "checkpoint.every": 1}
+    one = train_cli(tmp_path / "one", warm_model, 1, 900, **extra)
+    two = train_cli(tmp_path / "two", warm_model, 2, 900, **extra)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert "Traceback" not in two.stderr and two.stderr.count("vLLM 0.32.0 on the cpu") == 2
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        for key in ("reward_mean", "generated_tokens", "loss", "kl_k3"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)

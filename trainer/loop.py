@@ -520,6 +520,7 @@ def train(config: RunConfig, out_dir: Path) -> int:
         return 0
     with _SigtermFlag() as sigterm:  # from the start: a SIGTERM during loading also ends in a clean exit
         world = World.from_environment(config.model.device)
+        run = None
         try:
             run = Run(config, out_dir, world)
             run.train(sigterm)
@@ -527,5 +528,7 @@ def train(config: RunConfig, out_dir: Path) -> int:
             log.warning("preempted at step %d; checkpoint written, exiting with %d", run.step, EXIT_PREEMPTED)
             return EXIT_PREEMPTED
         finally:
+            if run is not None:
+                run.engine.close()  # before the process group goes: vLLM tears down its groups in it
             world.close()
     return 0

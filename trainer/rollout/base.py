@@ -85,3 +85,7 @@ class RolloutEngine(Protocol):
     def sync_weights(self) -> None:
         """Make the next generate() use the trainer's current weights."""
         ...
+
+    def close(self) -> None:
+        """Release what the engine holds (processes, process groups, memory); it is not used again."""
+        ...

@@ -47,6 +47,9 @@ class HFEngine:
         """A replica is refreshed lazily, at the next generate(); a shared model needs nothing."""
         self.stale = self.weights is not None
 
+    def close(self) -> None:
+        """Nothing to release: the model belongs to the trainer (or is a plain replica)."""
+
     @torch.no_grad()
     def _refresh(self) -> None:
         for name, tensor in self.weights():

@@ -164,6 +164,11 @@ class VLLMEngine:
         """Load the trainer's weights lazily, before the next generation."""
         self.stale = True
 
+    def close(self) -> None:
+        """Shut the engine down now. Left to vLLM's finalizer at exit, it would tear down its process
+        groups after the trainer has destroyed the default one they belong to, and fail there."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def _fall_asleep(self) -> None:
         self.llm.sleep(level=2)  # weights too: they are reloaded from the trainer on waking
         self.asleep, self.stale = True, True
