@@ -244,3 +244,19 @@ def test_resume_drops_a_torn_metrics_line(tmp_path):
     stub = type("Stub", (), {"out": tmp_path})()
     Run._truncate_metrics(stub, 1)
     assert metrics(tmp_path) == [{"step": 0}]
+
+
+def test_a_run_started_before_a_config_key_existed_still_resumes(warm_model, tmp_path):
+    """config.yaml of a run started by an older klstudy lacks the keys added since: at their
+    defaults they are no change; set otherwise, they are."""
+    import yaml
+
+    config = run_config.load(None, overrides(warm_model))
+    saved = config.to_dict()
+    del saved["rollout"]["vllm_cpu_kvcache_gib"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    stub = type("Stub", (), {"out": tmp_path, "config": config})()
+    Run._check_or_write_config(stub)
+    stub.config = run_config.load(None, overrides(warm_model, **{"rollout.vllm_cpu_kvcache_gib": 2}))
+    with pytest.raises(run_config.ConfigError, match=r"different config \(rollout.vllm_cpu_kvcache_gib\)"):
+        Run._check_or_write_config(stub)
