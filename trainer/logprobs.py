@@ -77,8 +77,8 @@ class CompletionLogprobs(torch.nn.Module):
         self.lm, self.temperature, self.chunk = lm, temperature, chunk
 
     def forward(self, batch: PackedBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log pi(token) of every completion token ([B, T], float32, 0 on padding) and, optionally,
-        the entropy of each token's distribution (detached).
+        """log pi(token) of every completion token ([B, T], float32 or the LM's wider dtype, 0 on padding)
+        and, optionally, the entropy of each token's distribution (detached).
 
         With chunk > 0 (and an LM whose logits are a plain linear head over its last hidden states),
         the logits of at most `chunk` tokens exist at a time (`trainer.chunked_logprobs`), and only
@@ -91,7 +91,7 @@ class CompletionLogprobs(torch.nn.Module):
         head = _linear_head(model) if chunk else None
         if head is None:
             out = model(**inputs, logits_to_keep=length + 1)
-            logits = out.logits[:, :length].float() / temperature  # position P-1+t predicts completion token t
+            logits = _at_least_float32(out.logits[:, :length]) / temperature  # position P-1+t predicts completion token t
             logp_all = torch.log_softmax(logits, dim=-1)
             logp = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1) * batch.completion_mask
             entropy = None
@@ -105,10 +105,11 @@ class CompletionLogprobs(torch.nn.Module):
         rows = hidden[mask]
         flat, flat_entropy = token_logprobs(rows, head.weight, head.bias, batch.completion_ids[mask], temperature,
                                             chunk, with_entropy)
-        logp = torch.zeros(mask.shape, dtype=torch.float32, device=flat.device).masked_scatter(mask, flat)
+        flat = _at_least_float32(flat)
+        logp = torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
         entropy = None
         if flat_entropy is not None:
-            entropy = torch.zeros_like(logp).masked_scatter(mask, flat_entropy.float())
+            entropy = torch.zeros_like(logp).masked_scatter(mask, flat_entropy.to(logp.dtype))
         return logp, entropy
 
 
@@ -116,6 +117,11 @@ def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, wit
                         chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`CompletionLogprobs(model, temperature, chunk)(batch, with_entropy)`, for one-off calls."""
     return CompletionLogprobs(model, temperature, chunk)(batch, with_entropy)
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision values upcast to float32; a float64 model (the exactness tests) keeps float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _linear_head(model):
