@@ -91,7 +91,8 @@ class CompletionLogprobs(torch.nn.Module):
         head = _linear_head(model) if chunk else None
         if head is None:
             out = model(**inputs, logits_to_keep=length + 1)
-            logits = _at_least_float32(out.logits[:, :length]) / temperature  # position P-1+t predicts completion token t
+            # position P-1+t predicts completion token t
+            logits = _at_least_float32(out.logits[:, :length]) / temperature
             logp_all = torch.log_softmax(logits, dim=-1)
             logp = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1) * batch.completion_mask
             entropy = None
