@@ -150,6 +150,50 @@ def test_eos_is_kept_in_the_tokens_and_dropped_from_the_text_after_a_weight_sync
     assert all(tokenizer.eos_token not in text for text in r.texts)
 
 
+def _next_token_distribution(model, prompt, temperature, top_p):
+    """What the engine must sample the first token from, computed here from the trainer's logits: the
+    softmax at `temperature`, cut to the smallest set of most likely tokens holding `top_p`."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].double()
+    probs = torch.softmax(logits / temperature, -1)
+    order = probs.argsort(descending=True)
+    mass_before = probs[order].cumsum(0) - probs[order]
+    kept = torch.zeros_like(probs, dtype=torch.bool)
+    kept[order[mass_before < top_p]] = True
+    return torch.where(kept, probs, 0.0) / probs[kept].sum()
+
+
+def _chi_square_p_value(counts, expected):
+    """Pearson's test of counts against expected counts; classes expected fewer than 5 times are pooled."""
+    rare = expected < 5
+    observed = torch.cat([counts[~rare], counts[rare].sum().reshape(1)])
+    wanted = torch.cat([expected[~rare], expected[rare].sum().reshape(1)])
+    if wanted[-1] == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    statistic = ((observed - wanted) ** 2 / wanted).sum()
+    dof = torch.tensor(len(wanted) - 1.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, statistic / 2))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.7)])
+def test_samples_follow_the_trainers_distribution(setup, warm_model, temperature, top_p):
+    """The tokens themselves, not only their reported log-probs: 4000 first tokens from the warm
+    model against the distribution the trainer's logits give at this temperature and top-p (a
+    chi-square test at p = 1e-4; the seeds are fixed, so the test is deterministic). Sampling at the
+    wrong temperature, or ignoring top-p, fails it."""
+    engine, model, _, prompts = setup
+    prompt, samples = prompts[0], 4000  # "12+7=": the warm model hesitates between three first tokens
+    with _trained_to(setup, warm_model):
+        wanted = _next_token_distribution(model, prompt, temperature, top_p)
+        r = engine.generate([prompt], SamplingParams(n=samples, max_new_tokens=1, temperature=temperature,
+                                                     top_p=top_p), [7])
+    first = torch.tensor([tokens[0] for tokens in r.token_ids])
+    counts = torch.bincount(first, minlength=len(wanted)).double()
+    assert counts[wanted == 0].sum() == 0, "sampled a token outside the nucleus"
+    assert (wanted > 0.1).sum() >= 2, "the warm model is too sure of this prompt for a useful test"
+    assert _chi_square_p_value(counts, samples * wanted) > 1e-4
+
+
 def _max_logp_gap(model, tokenizer, rollouts):
     """The largest |engine log-prob - trainer log-prob| over the sampled tokens."""
     batch = pack(rollouts, tokenizer.pad_token_id)
