@@ -83,27 +83,45 @@ def verify(path: Path) -> str | None:
 
 
 def load_latest(checkpoints_dir: Path, model) -> tuple[int, dict[str, Any]] | None:
-    """Load the newest valid checkpoint's weights into `model`; (step, trainer state) or None."""
-    from safetensors.torch import load_file
+    """Load the newest valid checkpoint's weights into `model`; (step, trainer state) or None.
 
+    A checkpoint is checked whole before any of it is copied: `model` is either the checkpoint's
+    weights, every one, or untouched (so a run that finds no valid checkpoint starts from exactly
+    its initial weights, as its reference model does)."""
     for step in sorted(_steps(checkpoints_dir), reverse=True):
         path = checkpoints_dir / f"step_{step}"
         problem = verify(path)
         if problem is None:
             try:
                 state = torch.load(path / "trainer_state.pt", weights_only=False)
-                weights: dict[str, torch.Tensor] = {}
-                for shard in sorted((path / "model").glob("*.safetensors")):
-                    weights.update(load_file(shard))
-                missing, unexpected = model.load_state_dict(weights, strict=False)
-                # tied weights (lm_head = embeddings) are saved once; anything else missing is damage
-                tied = set(getattr(model, "_tied_weights_keys", None) or [])
-                if unexpected or set(missing) - tied:
-                    raise ValueError(f"weights do not fit the model (missing {missing}, unexpected {unexpected})")
-                if hasattr(model, "tie_weights"):
-                    model.tie_weights()
-                return step, state
+                weights = _checked_weights(path / "model", model)
             except Exception as error:  # noqa: BLE001 - any damage means: try the next one
                 problem = f"failed to load ({error})"
+            else:
+                model.load_state_dict(weights, strict=True)  # every key and shape already matches
+                return step, state
         log.warning("skipping checkpoint %s: %s", path, problem)
     return None
+
+
+def _checked_weights(model_dir: Path, model) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights by `model`'s own names, if they are exactly `model`'s tensors.
+
+    transformers reads the directory, as it wrote it: a tied output layer is saved once, and some
+    models (a mixture of experts) are stored under other names and layouts than they have in memory.
+    A missing, extra or misshapen tensor raises."""
+    dtype = next(model.parameters()).dtype
+    loaded, info = type(model).from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
+    damage = {kind: sorted(map(str, info.get(kind) or [])) for kind in ("missing_keys", "unexpected_keys",
+                                                                         "mismatched_keys", "error_msgs")}
+    damage = {kind: keys for kind, keys in damage.items() if keys}
+    if damage:
+        raise ValueError(f"weights do not fit the model: {damage}")
+    weights, expected = loaded.state_dict(), model.state_dict()
+    if weights.keys() != expected.keys():
+        raise ValueError(f"weights do not fit the model: missing {sorted(expected.keys() - weights.keys())}, "
+                         f"unexpected {sorted(weights.keys() - expected.keys())}")
+    misshapen = [name for name, tensor in weights.items() if tensor.shape != expected[name].shape]
+    if misshapen:
+        raise ValueError(f"weights do not fit the model: misshapen {misshapen}")
+    return weights
