@@ -14,12 +14,13 @@ import atexit
 import logging
 import re
 import threading
+import time
 from collections import Counter
 from fractions import Fraction
 from typing import Iterable, Sequence
 
 from eval.prompts import LETTERS
-from eval.workers import DeadlinePool
+from eval.workers import DeadlinePool, Outcome, WorkerStartError
 
 log = logging.getLogger(__name__)
 
@@ -137,15 +138,31 @@ def math_equivalent(candidate: str, gold: str) -> bool:
     return bool(verify(gold_parsed, candidate_parsed, timeout_seconds=None))
 
 
-class Verifier:
-    """Scores responses against gold answers; every math-verify call is bounded by `timeout` s."""
+class VerifierUnavailable(RuntimeError):
+    """The verifier's worker processes failed to start too many times in a row."""
 
-    def __init__(self, timeout: float = 5.0, workers: int = 2) -> None:
+
+class Verifier:
+    """Scores responses against gold answers; every math-verify call is bounded by `timeout` s.
+
+    Its worker processes can fail to start (a loaded node: sympy's imports alone take seconds). Then
+    the responses that needed them count as verifier errors (score 0), the next start waits
+    `start_backoff` s, doubling with each failure in a row, and `max_start_failures` failures in a
+    row raise VerifierUnavailable."""
+
+    TARGET = "eval.verify:math_equivalent"
+
+    def __init__(self, timeout: float = 5.0, workers: int = 2, start_backoff: float = 5.0,
+                 max_start_failures: int = 3) -> None:
         self.timeout = timeout
         self.workers = workers
+        self.start_backoff = start_backoff
+        self.max_start_failures = max_start_failures
         self.counts: Counter[str] = Counter()
         self._pool: DeadlinePool | None = None
         self._lock = threading.Lock()
+        self._start_failures = 0  # in a row
+        self._next_start = 0.0  # monotonic time before which no new pool starts
 
     def _fast(self, response: str | bytes, gold: str) -> float | str:
         """A score decided without math-verify, or the candidate answer it must judge."""
@@ -177,16 +194,37 @@ class Verifier:
         slow = [i for i, d in enumerate(decided) if isinstance(d, str)]
         if slow:
             with self._lock:
-                if self._pool is None:
-                    self._pool = DeadlinePool("eval.verify:math_equivalent", workers=self.workers,
-                                             timeout=self.timeout)
-                outcomes = self._pool.map([(decided[i], pairs[i][1].strip()) for i in slow])
+                outcomes = self._judge([(decided[i], pairs[i][1].strip()) for i in slow])
             for i, outcome in zip(slow, outcomes, strict=True):
                 if outcome.status != "ok":
                     self.counts[outcome.status + "s"] += 1
                     log.debug("verifier %s on answer %.80r: %s", outcome.status, decided[i], outcome.message)
                 decided[i] = 1.0 if outcome.status == "ok" and outcome.value else 0.0
         return [float(d) for d in decided]
+
+    def _judge(self, calls: list[tuple[str, str]]) -> list[Outcome]:
+        """math-verify's verdicts in the pool; every call an error while its workers cannot start."""
+        if self._pool is None and time.monotonic() < self._next_start:
+            return [Outcome("error", message="verifier workers are backing off")] * len(calls)
+        try:
+            if self._pool is None:
+                self._pool = DeadlinePool(self.TARGET, workers=self.workers, timeout=self.timeout)
+            outcomes = self._pool.map(calls)
+        except WorkerStartError as error:
+            self._pool.close()
+            self._pool = None
+            self._start_failures += 1
+            if self._start_failures >= self.max_start_failures:
+                raise VerifierUnavailable(
+                    f"the verifier's worker processes failed to start {self._start_failures} times in a row "
+                    f"(last: {error}); is the machine overloaded, or can {self.TARGET} be imported?") from None
+            wait = self.start_backoff * 2 ** (self._start_failures - 1)
+            self._next_start = time.monotonic() + wait
+            log.warning("verifier workers did not start (%s): %d responses count as verifier errors; "
+                        "next try in %g s", error, len(calls), wait)
+            return [Outcome("error", message=str(error))] * len(calls)
+        self._start_failures = 0
+        return outcomes
 
     def score(self, response: str | bytes, gold: str) -> float:
         return self.score_many([(response, gold)])[0]

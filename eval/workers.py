@@ -38,6 +38,10 @@ class Outcome:
     message: str = ""
 
 
+class WorkerStartError(RuntimeError):
+    """No worker could import its target in time, or a worker died while starting."""
+
+
 def _write_frame(stream: BinaryIO, obj: object) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(_HEADER.pack(len(data)) + data)
@@ -161,7 +165,7 @@ class DeadlinePool:
         readable, _, _ = select.select([w.process.stdout for w in starting], [], [],
                                        max(0.0, deadline - time.monotonic()))
         if not readable:
-            raise RuntimeError(f"no worker for {self.target} started within {self.STARTUP_TIMEOUT:g} s")
+            raise WorkerStartError(f"no worker for {self.target} started within {self.STARTUP_TIMEOUT:g} s")
         for worker in starting:
             if worker.process.stdout in readable:
                 self._mark_ready(worker)
@@ -172,7 +176,7 @@ class DeadlinePool:
         except (EOFError, pickle.UnpicklingError):
             ready = False
         if not ready:
-            raise RuntimeError(f"a worker for {self.target} failed to start: can it be imported?")
+            raise WorkerStartError(f"a worker for {self.target} failed to start: can it be imported?")
         worker.ready = True
 
     def _replace(self, worker: _Worker) -> None:

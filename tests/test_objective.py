@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainer.objective import ObjectiveConfig, aggregate, compute_loss
+from trainer.objective import ObjectiveConfig, aggregate, combine_stats, compute_loss
 
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
@@ -93,6 +93,35 @@ def test_stats_are_plain_floats_and_count_clamped_tokens():
     _, stats_k1 = compute_loss(logp, ref, None, rewards.float(), mask, 2, ObjectiveConfig(estimator="k1"))
     assert stats_k1["kl_clamped_tokens"] == 0.0
     assert set(stats) >= {"kl_k1", "kl_k3", "adv_mean", "adv_std", "ratio_mean", "clip_frac", "kl_clamped_tokens"}
+
+
+@pytest.mark.parametrize("tis_cap", [None, 2.0])
+def test_the_statistics_of_a_batch_split_into_parts_are_the_whole_batchs(tis_cap):
+    """Micro-batches and processes each see part of a minibatch; their combined statistics must be
+    those of the whole. Parts of unequal rows and tokens, ratios that clip: averaging clip_frac or
+    adv_std over the parts, as combine_stats once did, is off here."""
+    generator = torch.Generator().manual_seed(0)
+    rows, length, group = 12, 6, 2
+    logp = -torch.rand(rows, length, generator=generator, dtype=torch.float64) * 2
+    old = logp + torch.randn(rows, length, generator=generator, dtype=torch.float64) * 0.4
+    engine = old + torch.randn(rows, length, generator=generator, dtype=torch.float64) * 0.3
+    ref = logp + torch.randn(rows, length, generator=generator, dtype=torch.float64) * 0.5
+    rewards = torch.rand(rows, generator=generator, dtype=torch.float64) * 3
+    lengths = torch.tensor([6, 1, 2, 5, 6, 6, 3, 1, 4, 6, 2, 5])
+    mask = (torch.arange(length) < lengths[:, None]).double()
+    config = ObjectiveConfig(estimator="k3", placement="reward+loss", beta=0.1, clip_eps=0.1, tis_cap=tis_cap)
+    totals = (rows, float(mask.sum()))
+
+    def stats(part):
+        return compute_loss(logp[part], ref[part], old[part], rewards[part], mask[part], group, config, totals,
+                            engine[part])[1]
+
+    whole = stats(slice(None))
+    combined = combine_stats([stats(slice(a, b)) for a, b in ((0, 2), (2, 8), (8, 12))])
+    assert 0 < whole["clip_frac"] < 1
+    assert combined.keys() == {key for key in whole if not key.startswith("_")}
+    for key, value in combined.items():
+        assert value == pytest.approx(whole[key], rel=1e-9, abs=1e-12), key
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -4,7 +4,16 @@ import time
 
 import pytest
 
-from eval.verify import Verifier, as_number, choice_letter, extract_answer, last_boxed, score, score_countdown
+from eval.verify import (
+    Verifier,
+    VerifierUnavailable,
+    as_number,
+    choice_letter,
+    extract_answer,
+    last_boxed,
+    score,
+    score_countdown,
+)
 from eval.workers import DeadlinePool
 
 
@@ -164,6 +173,27 @@ def test_a_workers_startup_is_not_counted_against_its_calls():
     with DeadlinePool("tests.no_such_module:f", workers=1, timeout=1.0) as pool:
         with pytest.raises(RuntimeError, match="failed to start: can it be imported"):
             pool.map([()])
+
+
+def test_workers_that_cannot_start_count_as_errors_then_back_off_then_stop_the_caller():
+    """A pool that cannot start must not end a training run at once: its responses score 0 as verifier
+    errors, the next start waits (doubling), a success resets the count, and only
+    `max_start_failures` failures in a row raise, with one message."""
+    pair = ("so \\boxed{x^2+1}", "1+x^2")  # needs math-verify: not decided by the fast path
+    verifier = Verifier(start_backoff=0.3, max_start_failures=2)
+    verifier.TARGET = "tests.no_such_module:f"
+    assert verifier.score_many([pair, ("\\boxed{4}", "4")]) == [0.0, 1.0]  # only the slow one is lost
+    assert verifier.counts["errors"] == 1
+    assert verifier.score_many([pair]) == [0.0] and verifier.counts["errors"] == 2  # backing off: no start
+    time.sleep(0.35)
+    verifier.TARGET = Verifier.TARGET  # the machine recovered
+    assert verifier.score_many([pair]) == [1.0] and verifier.counts["errors"] == 2
+    verifier.close()
+    verifier.TARGET = "tests.no_such_module:f"
+    assert verifier.score_many([pair]) == [0.0]  # one failure in a row again, not two
+    time.sleep(0.35)
+    with pytest.raises(VerifierUnavailable, match="failed to start 2 times in a row .*can it be imported"):
+        verifier.score_many([pair])
 
 
 def test_last_boxed_is_linear_on_long_inputs():

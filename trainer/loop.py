@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import yaml
 
-from eval.verify import Verifier
+from eval.verify import Verifier, VerifierUnavailable
 from trainer import checkpoint
 from trainer.config import ConfigError, RunConfig, from_dict
 from trainer.distributed import (
@@ -343,7 +343,10 @@ class Run:
             logp, _ = self._logprobs(self.policy, pack(rollouts, self.tokenizer.pad_token_id).to(self.device))
         trainer_logprobs = [row[: len(t)].tolist() for row, t in zip(logp.cpu(), rollouts.token_ids, strict=True)]
         expanded = [p for p in problems for _ in range(self.params.n)]
-        rewards = self.task.reward(rollouts.texts, expanded, self.verifier)
+        try:
+            rewards = self.task.reward(rollouts.texts, expanded, self.verifier)
+        except VerifierUnavailable as error:
+            raise TrainingError(str(error)) from None
         return PendingBatch(self.step, rollouts, rewards, trainer_logprobs)
 
     def _logprobs(self, model: CompletionLogprobs, batch: PackedBatch, with_entropy: bool = False):

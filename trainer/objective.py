@@ -17,8 +17,13 @@ from trainer.objective_config import ObjectiveConfig
 __all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PLACEMENTS", "ObjectiveConfig", "aggregate", "combine_stats",
            "compute_loss"]
 
-# Statistics that are a part's share of the whole batch's (with `totals`): the whole's is their sum.
+# How combine_stats pools each statistic over a batch's parts (micro-batches, processes):
+# a part's share of the whole batch's (with `totals`) adds up;
 SUMMED_STATS = ("loss", "loss_pg", "loss_kl", "kl_clamped_tokens")
+# a mean over response tokens is weighted by the part's tokens (`_tokens`); every other mean, over
+# rows, by its rows (`_rows`); adv_std is pooled from the parts' means and mean squares. Keys that
+# start with "_" are these weights: combine_stats consumes them.
+TOKEN_MEAN_STATS = ("ratio_mean", "clip_frac", "entropy", "tis_weight_mean", "tis_truncated_frac")
 
 
 def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int | None = None,
@@ -160,6 +165,9 @@ def _stats(logp: Tensor, ref_logp: Tensor, rewards: Tensor, shaped: Tensor, adv:
         "loss_pg": loss_pg.detach(),
         "loss_kl": loss_kl.detach(),
         "response_length": maskf.sum(dim=-1).mean(),
+        "_rows": maskf.new_tensor(float(maskf.shape[0])),  # combine_stats' weights
+        "_tokens": maskf.sum(),
+        "_adv_sq_mean": (adv**2).mean(),
     }
     numbers = torch.stack([v.to(maskf.dtype) for v in values.values()]).tolist()
     return dict(zip(values, numbers, strict=True))
@@ -175,10 +183,19 @@ def _tis_stats(tis: Tensor, maskf: Tensor, cap: float) -> dict[str, float]:
 
 
 def combine_stats(parts: list[dict[str, float]]) -> dict[str, float]:
-    """The statistics of a batch from those of its equal-sized parts (micro-batches, processes):
-    shares add up, extremes stay extremes, and everything else is averaged over the parts."""
+    """The statistics of a batch from those of its parts (micro-batches, processes), as if computed
+    on the whole batch at once: shares add up, extremes stay extremes, token means are weighted by
+    tokens, row means by rows, and the advantages' standard deviation is the whole batch's."""
+    rows = [part.get("_rows", 1.0) for part in parts]
+    tokens = [part.get("_tokens", 1.0) for part in parts]
+
+    def weighted(key: str, weights: list[float]) -> float:
+        return sum(w * part[key] for w, part in zip(weights, parts, strict=True)) / max(sum(weights), 1e-30)
+
     combined = {}
     for key in parts[0]:
+        if key.startswith("_"):
+            continue
         values = [part[key] for part in parts]
         if key in SUMMED_STATS:
             combined[key] = sum(values)
@@ -186,6 +203,12 @@ def combine_stats(parts: list[dict[str, float]]) -> dict[str, float]:
             combined[key] = min(values)
         elif key.endswith("_max"):
             combined[key] = max(values)
+        elif key in TOKEN_MEAN_STATS:
+            combined[key] = weighted(key, tokens)
+        elif key == "adv_std" and "_adv_sq_mean" in parts[0]:
+            n, mean = sum(rows), weighted("adv_mean", rows)
+            variance = (weighted("_adv_sq_mean", rows) - mean**2) * n / max(n - 1, 1)
+            combined[key] = max(variance, 0.0) ** 0.5
         else:
-            combined[key] = sum(values) / len(values)
+            combined[key] = weighted(key, rows)
     return combined
