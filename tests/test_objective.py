@@ -80,6 +80,56 @@ def test_ratio_clipping_and_its_statistics():
     assert theta.grad[3, 1].item() != 0.0
 
 
+def test_dual_clip_bounds_the_loss_of_negative_advantages_under_any_staleness():
+    """A stale token (ratio e^100) with a negative advantage: the plain PPO term overflows float32 and
+    the update is lost; the dual clip bounds it at clip_ratio_c x |A| with no gradient there, and
+    leaves positive advantages and in-bound ratios alone."""
+    logp, ref, rewards, mask = (x.float() for x in _batch())
+    old = logp.clone()
+    old[1, 0] -= 100.0  # advantage of row 1 is negative (reward 0 against 1 in its group)
+    old[0, 0] -= math.log(1.5)  # positive advantage: the dual clip does not apply
+    old[2, 1] -= math.log(2.0)  # row 2's advantage is negative too, but its ratio 2 < 3: unchanged
+    plain = ObjectiveConfig(placement="none", clip_eps=0.2)
+    dual = ObjectiveConfig(placement="none", clip_eps=0.2, clip_ratio_c=3.0)
+    assert not torch.isfinite(compute_loss(logp, ref, old, rewards, mask, 2, plain)[0])
+    theta = logp.clone().requires_grad_(True)
+    loss, stats = compute_loss(theta, ref, old, rewards, mask, 2, dual)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(theta.grad).all()
+    assert theta.grad[1, 0].item() == 0.0 and theta.grad[2, 1].item() != 0.0 and theta.grad[0, 0].item() == 0.0
+    assert stats["dual_clip_frac"] == pytest.approx(1 / 7)
+    unstale = old.clone()
+    unstale[1, 0] = logp[1, 0]
+    a, _ = compute_loss(logp, ref, unstale, rewards, mask, 2, plain)
+    b, stats = compute_loss(logp, ref, unstale, rewards, mask, 2, dual)
+    assert a.item() == b.item() and stats["dual_clip_frac"] == 0.0
+
+
+def test_the_dual_clip_changes_the_policy_gradient_and_the_kl_in_the_reward_off_policy_only():
+    """Exact enumeration (the audit's machinery) with a tight bound (1.2) that bites: on-policy it
+    changes nothing; off-policy it biases the policy gradient and every configuration with the KL in
+    the reward (whose gradient flows through the advantages), never a KL that is only in the loss."""
+    from dataclasses import replace
+
+    from trainer.audit import AuditInstance, expected_gradient, rel_error
+
+    inst = AuditInstance.random(vocab=3, length=2, seed=0)
+    for placement in ("none", "reward", "loss", "reward+loss"):
+        for off_policy in (False, True):
+            config = ObjectiveConfig(estimator="k3", placement=placement, beta=0.1)
+            plain = expected_gradient(inst, config, 2, off_policy)
+            dual = expected_gradient(inst, replace(config, clip_ratio_c=1.2), 2, off_policy)
+            if not off_policy:
+                assert rel_error(dual, plain) < 1e-12, placement
+            elif placement == "loss":  # the KL part alone: (grad - pg) is untouched
+                none = replace(config, placement="none")
+                kl_plain = plain - expected_gradient(inst, none, 2, True)
+                kl_dual = dual - expected_gradient(inst, replace(none, clip_ratio_c=1.2), 2, True)
+                assert rel_error(kl_dual, kl_plain) < 1e-12
+            else:
+                assert rel_error(dual, plain) > 1e-3, placement
+
+
 def test_stats_are_plain_floats_and_count_clamped_tokens():
     logp, ref, rewards, mask = _batch()
     logp = logp.float()

@@ -38,6 +38,8 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--beta", type=float, default=0.1, help="KL coefficient (default 0.1)")
     g.add_argument("--advantage", default="rloo", help="rloo|grpo|drgrpo|reinforce (default rloo)")
     g.add_argument("--tol", type=float, default=1e-6, help="relative tolerance of a verdict (default 1e-6)")
+    g.add_argument("--clip-ratio-c", type=float, default=None,
+                   help="audit under the dual clip with this bound (objective.clip_ratio_c; default off)")
     c = p.add_argument_group("convergence audit")
     c.add_argument("--conv-steps", type=int, default=1000, help="training steps (default 1000)")
     c.add_argument("--conv-beta", type=float, default=0.3, help="KL coefficient (default 0.3)")
@@ -57,7 +59,7 @@ def _run_audit(args: argparse.Namespace) -> int:
             f"{args.vocab ** (args.length * args.group_size):,} groups to enumerate; keep it under 200,000"
         )
     grad = audit.gradient_audit(args.vocab, args.length, args.group_size, tuple(args.seeds), args.beta,
-                                args.advantage, args.tol, progress=args.progress)
+                                args.advantage, args.tol, progress=args.progress, clip_ratio_c=args.clip_ratio_c)
     print(audit.gradient_table_markdown(grad))
     conv = None
     if not args.skip_convergence:

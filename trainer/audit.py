@@ -190,9 +190,10 @@ class GradientAudit:
 
 def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: tuple[int, ...] = (0, 1, 2),
                    beta: float = 0.1, advantage: str = "rloo", tol: float = 1e-6,
-                   progress: bool | None = None) -> GradientAudit:
-    """Run the exact gradient audit for every configuration on every seed."""
-    base = ObjectiveConfig(placement="none", beta=beta, advantage=advantage)
+                   progress: bool | None = None, clip_ratio_c: float | None = None) -> GradientAudit:
+    """Run the exact gradient audit for every configuration on every seed (with `clip_ratio_c`, under
+    the dual clip: what it changes shows in the off-policy rows)."""
+    base = ObjectiveConfig(placement="none", beta=beta, advantage=advantage, clip_ratio_c=clip_ratio_c)
     configs = audit_configs()
     per_config: dict[tuple, list[dict[str, object]]] = {c: [] for c in configs}
     pg_errors: dict[str, list[float]] = {"on-policy": [], "off-policy": []}
@@ -230,7 +231,7 @@ def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: 
     bar.close()
     rows = [_aggregate_row(key, results, length) for key, results in per_config.items()]
     setup = {"vocab": vocab, "length": length, "group_size": group_size, "seeds": list(seeds),
-             "beta": beta, "advantage": advantage, "tol": tol}
+             "beta": beta, "advantage": advantage, "tol": tol, "clip_ratio_c": clip_ratio_c}
     return GradientAudit(rows, {k: max(v) for k, v in pg_errors.items()}, setup)
 
 
@@ -254,7 +255,8 @@ def gradient_table_markdown(audit: GradientAudit) -> str:
     lines = [
         f"Exact gradient audit: vocabulary {setup['vocab']}, length {setup['length']}, group size "
         f"{setup['group_size']}, advantage {setup['advantage']}, seeds {setup['seeds']}, float64, "
-        f"tolerance {setup['tol']:g}.",
+        f"tolerance {setup['tol']:g}"
+        + (f", dual clip {setup['clip_ratio_c']:g}." if setup.get("clip_ratio_c") is not None else "."),
         "",
         "Policy-gradient check (no KL): relative error of E[grad loss] against -grad E[R]: "
         + ", ".join(f"{k} {v:.2e}" for k, v in audit.pg_error.items()) + ".",

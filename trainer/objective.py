@@ -23,7 +23,7 @@ SUMMED_STATS = ("loss", "loss_pg", "loss_kl", "kl_clamped_tokens")
 # a mean over response tokens is weighted by the part's tokens (`_tokens`); every other mean, over
 # rows, by its rows (`_rows`); adv_std is pooled from the parts' means and mean squares. Keys that
 # start with "_" are these weights: combine_stats consumes them.
-TOKEN_MEAN_STATS = ("ratio_mean", "clip_frac", "entropy", "tis_weight_mean", "tis_truncated_frac")
+TOKEN_MEAN_STATS = ("ratio_mean", "clip_frac", "dual_clip_frac", "entropy", "tis_weight_mean", "tis_truncated_frac")
 
 
 def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int | None = None,
@@ -107,13 +107,7 @@ def compute_loss(
 
     ratio = torch.exp(logp_c - old)
     adv_t = adv.unsqueeze(-1)
-    pg = -ratio * adv_t
-    clipped = torch.zeros_like(maskf, dtype=torch.bool)
-    if config.clip_eps is not None:
-        high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
-        pg_clipped = -torch.clamp(ratio, 1 - config.clip_eps, 1 + high) * adv_t
-        clipped = pg_clipped > pg
-        pg = torch.maximum(pg, pg_clipped)
+    pg, clipped, dual_clipped = _policy_gradient_term(logp_c - old, adv_t, config)
     tis = None
     if config.tis_cap is not None:
         # old / mu_engine, truncated: a non-negative constant per token, so it scales the clipped term as is
@@ -130,9 +124,35 @@ def compute_loss(
         loss = loss + loss_kl
 
     stats = _stats(logp_c, ref_logp, rewards, shaped, adv, ratio, clipped, maskf, loss_pg, loss_kl, config)
+    if dual_clipped is not None:
+        stats["dual_clip_frac"] = float((dual_clipped & maskf.bool()).sum() / maskf.sum().clamp(min=1))
     if tis is not None:
         stats.update(_tis_stats(tis, maskf, config.tis_cap))
     return loss, stats
+
+
+def _policy_gradient_term(log_ratio: Tensor, adv_t: Tensor, config: ObjectiveConfig
+                          ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Per-token -ratio x A, PPO-clipped with clip_eps, then bounded by the dual clip; and which
+    tokens each clip bounds (the dual clip's mask is None when it is off)."""
+
+    def ppo(ratio: Tensor) -> tuple[Tensor, Tensor]:
+        pg = -ratio * adv_t
+        if config.clip_eps is None:
+            return pg, torch.zeros_like(pg, dtype=torch.bool)
+        high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+        pg_clipped = -torch.clamp(ratio, 1 - config.clip_eps, 1 + high) * adv_t
+        return torch.maximum(pg, pg_clipped), pg_clipped > pg
+
+    if config.clip_ratio_c is None:
+        pg, clipped = ppo(log_ratio.exp())
+        return pg, clipped, None
+    bound = -config.clip_ratio_c * adv_t  # > 0 where the advantage is negative
+    with torch.no_grad():
+        dual = (adv_t < 0) & (ppo(log_ratio.detach().exp())[0] > bound)
+    # a bounded token's ratio (e^100 when stale) never enters the graph: no inf x 0 = nan gradient
+    pg, clipped = ppo(log_ratio.masked_fill(dual, 0.0).exp())
+    return torch.where(dual, bound, pg), clipped & ~dual, dual
 
 
 @torch.no_grad()

@@ -35,6 +35,12 @@ class ObjectiveConfig:
     norm_length     the constant of seq-mean-token-sum-norm (e.g. the maximum response length)
     clip_eps        PPO ratio clipping to [1 - clip_eps, 1 + clip_eps_high]; None = no clipping
     clip_eps_high   upper clip (DAPO's clip-higher); None = clip_eps
+    clip_ratio_c    dual-clip bound (Ye et al. 2020; verl's clip_ratio_c, typically 3): where the
+                    advantage is negative, a token's policy-gradient loss is at most
+                    clip_ratio_c x |A|, so a stale token with a huge ratio cannot blow the update
+                    up; its gradient there is 0. None = off. > 1. On-policy (ratio 1) the identity;
+                    off-policy it drops those tokens' gradient: biased, and with the KL in the
+                    reward (which reaches the gradient through the advantages) so is the KL term
     kl_loss_ratio   off-policy importance weight on the KL loss term, rho = pi_theta / mu:
                     none            beta * k                (ignores the behaviour policy)
                     detached        beta * sg(rho) * k      on-policy meaning under samples of
@@ -60,6 +66,7 @@ class ObjectiveConfig:
     norm_length: int | None = None
     clip_eps: float | None = None
     clip_eps_high: float | None = None
+    clip_ratio_c: float | None = None
     kl_loss_ratio: str = "none"
     tis_cap: float | None = None
 
@@ -85,6 +92,9 @@ class ObjectiveConfig:
                 raise ValueError(f"ObjectiveConfig.{key}: must be None or a number > 0, got {value!r}")
         if self.tis_cap is not None and not (isinstance(self.tis_cap, (int, float)) and self.tis_cap >= 1):
             raise ValueError(f"ObjectiveConfig.tis_cap: must be None or a number >= 1, got {self.tis_cap!r}")
+        c = self.clip_ratio_c
+        if c is not None and not (isinstance(c, (int, float)) and not isinstance(c, bool) and c > 1):
+            raise ValueError(f"ObjectiveConfig.clip_ratio_c: must be None or a number > 1, got {self.clip_ratio_c!r}")
         if self.clip_eps is not None and self.clip_eps >= 1:
             raise ValueError(f"ObjectiveConfig.clip_eps: must be < 1, got {self.clip_eps}")
         if self.clip_eps_high is not None and self.clip_eps is None:
