@@ -29,6 +29,7 @@ ANCHOR = "reward_mean"  # a metric every metrics.jsonl line carries
 MAX_BATCH = 1000        # MLflow's limit of metrics per log_batch
 MAX_PARAM = 6000        # MLflow's limit of a param value's length
 TAG_ROLE, TAG_STUDY, TAG_RUN = "klstudy.role", "klstudy.study", "klstudy.run_id"
+TAG_SET_UP = "klstudy.set_up"  # a child run's params, label and config are all logged
 # MLflow 3's UI opens an experiment of this kind on its training runs, not on GenAI traces
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
@@ -105,23 +106,32 @@ def _params(record: RunRecord):
 
 
 def _child_run(client, experiment_id: str, parent_id: str, record: RunRecord, report: SyncReport) -> str:
+    """The run's MLflow child run, created and set up if need be.
+
+    Setting up takes several calls (params, label, config artifact); the tag TAG_SET_UP comes last.
+    A child run without it (a sync interrupted in between) is set up again: every call is
+    idempotent, so any interruption converges to the full state."""
     from mlflow.entities import RunTag
 
     tags = {TAG_ROLE: "grid-point", TAG_RUN: record.run_id}
     existing = _find_run(client, experiment_id, tags)
-    if existing is not None:
+    if existing is not None and existing.data.tags.get(TAG_SET_UP) == "1":
         return existing.info.run_id
-    coords = {f"klstudy.{k}": str(v) for k, v in record.coords.items()}
-    run = client.create_run(experiment_id, run_name=record.run_id,
-                            tags={**tags, **coords, "mlflow.parentRunId": parent_id})
+    if existing is None:
+        coords = {f"klstudy.{k}": str(v) for k, v in record.coords.items()}
+        run_id = client.create_run(experiment_id, run_name=record.run_id,
+                                   tags={**tags, **coords, "mlflow.parentRunId": parent_id}).info.run_id
+        report.runs_created += 1
+    else:
+        run_id = existing.info.run_id
     params = _params(record)
     for start in range(0, len(params), 100):
-        client.log_batch(run.info.run_id, params=params[start:start + 100])
-    client.log_batch(run.info.run_id, tags=[RunTag("klstudy.config_label", record.label)])
-    client.log_artifact(run.info.run_id, str(record.path / "config.yaml"))
-    report.runs_created += 1
+        client.log_batch(run_id, params=params[start:start + 100])
+    client.log_batch(run_id, tags=[RunTag("klstudy.config_label", record.label)])
+    client.log_artifact(run_id, str(record.path / "config.yaml"))
     report.artifacts_logged += 1
-    return run.info.run_id
+    client.set_tag(run_id, TAG_SET_UP, "1")
+    return run_id
 
 
 def _log_steps(client, run_id: str, record: RunRecord, report: SyncReport) -> None:

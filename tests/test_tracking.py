@@ -69,6 +69,37 @@ def test_sync_into_sqlite_logs_everything_once(tmp_path, monkeypatch):
     assert len(client(uri).get_metric_history(run.info.run_id, "reward_mean")) == 6
 
 
+def test_a_sync_interrupted_after_creating_a_child_run_is_completed_by_the_next(tmp_path, monkeypatch):
+    """A crash between creating a child run and logging its params left a run without params that
+    later syncs found and skipped; now the next sync completes it."""
+    import sweep.tracking
+
+    results = write_study(tmp_path / "results")
+    uri = f"sqlite:///{(results / 'mlflow.db').resolve()}"
+    real_params = sweep.tracking._params
+
+    def crash(record):
+        raise KeyboardInterrupt("the sync was stopped here")
+
+    monkeypatch.setattr(sweep.tracking, "_params", crash)
+    with pytest.raises(KeyboardInterrupt):
+        sync(results, "fixture")
+    (half,), _ = child_runs(uri, "fixture")
+    assert half.data.params == {} and "klstudy.set_up" not in half.data.tags
+
+    monkeypatch.setattr(sweep.tracking, "_params", real_params)
+    report = sync(results, "fixture")
+    assert report.runs_created == 4  # the interrupted one is completed, not created twice
+    children, _ = child_runs(uri, "fixture")
+    assert len(children) == 5
+    for run in children:
+        assert run.data.params.get("objective.placement"), run.data.tags["klstudy.run_id"]
+        assert run.data.tags.get("klstudy.config_label")
+        assert "config.yaml" in {a.path for a in client(uri).list_artifacts(run.info.run_id)}
+        assert client(uri).get_metric_history(run.info.run_id, "reward_mean")
+    assert all(run.data.tags.get("klstudy.set_up") == "1" for run in children)
+
+
 def test_several_processes_syncing_at_once_lose_nothing(tmp_path):
     results = write_study(tmp_path / "results")
     for i in range(6):
