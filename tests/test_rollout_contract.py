@@ -4,6 +4,7 @@ it), and vLLM on a model with tied and with untied embeddings (its CPU build her
 
 import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -50,10 +51,21 @@ def setup(request):
     model_dir = request.getfixturevalue("untied_toy_model" if request.param.endswith("-untied") else "toy_model")
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir))
+    if request.param.startswith("vllm"):
+        require_vllm()  # what `import vllm` sets in the environment, it sets for the process, on purpose
+    environ = _environ()
     engine = ENGINES[request.param](model, tokenizer, model_dir)
     texts = ["12+7=", "3-1=", "a much longer prompt: 100+250="]  # different lengths: padding matters
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return engine, model, tokenizer, prompts
+    yield engine, model, tokenizer, prompts
+    engine.close()
+    # the process gets its environment back: a vLLM engine's MASTER_PORT, left behind, made every later
+    # lm-eval run in a child process rendezvous on that port (two at once failed with EADDRINUSE)
+    assert _environ() == environ
+
+
+def _environ():
+    return {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
 
 
 def _generate(setup, seed=0, **params):

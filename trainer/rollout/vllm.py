@@ -134,10 +134,16 @@ class VLLMEngine:
         if world.size % tp:
             raise ConfigError(f"rollout.vllm_tensor_parallel_size: {tp} does not divide the {world.size} "
                               "training processes")
+        # close() gives the process back this environment: what is set here and what vLLM sets
+        # itself (a dozen variables) would otherwise outlive the engine, and a MASTER_PORT left
+        # behind makes every later torch.distributed user (accelerate, in lm-eval's children)
+        # rendezvous on it
+        self._environ_before = dict(os.environ)
         for name, value in (("RANK", world.rank), ("LOCAL_RANK", world.local_rank), ("WORLD_SIZE", world.size)):
             os.environ.setdefault(name, str(value))  # what the external launcher reads (one process: 0, 0, 1)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))  # launched processes have theirs already
+        if "MASTER_PORT" not in os.environ:  # launched processes have theirs already
+            os.environ["MASTER_PORT"] = str(_free_port())
         if device == "cpu":
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.vllm_cpu_kvcache_gib)
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -165,9 +171,13 @@ class VLLMEngine:
         self.stale = True
 
     def close(self) -> None:
-        """Shut the engine down now. Left to vLLM's finalizer at exit, it would tear down its process
-        groups after the trainer has destroyed the default one they belong to, and fail there."""
+        """Shut the engine down now, and give the process its environment back. Left to vLLM's
+        finalizer at exit, the shutdown would tear down its process groups after the trainer has
+        destroyed the default one they belong to, and fail there."""
         self.llm.llm_engine.engine_core.shutdown()
+        for name in set(os.environ) - set(self._environ_before):
+            del os.environ[name]
+        os.environ.update(self._environ_before)
 
     def _fall_asleep(self) -> None:
         self.llm.sleep(level=2)  # weights too: they are reloaded from the trainer on waking
