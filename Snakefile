@@ -11,9 +11,11 @@ import json
 import re
 import shlex
 import sys
+from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
+from sweep import study_lock
 from sweep.grid import StudyError, load_study
 from trainer.launch import train_command
 
@@ -31,6 +33,29 @@ try:
     STUDY = load_study(config)
 except StudyError as error:
     raise WorkflowError(f"study config: {error}") from None
+
+# A lock left by a snakemake killed hard is released here, before Snakemake locks (sweep.study_lock).
+if workflow.is_main_process:
+    try:
+        released = study_lock.check(sys.argv, study_lock.unlock_command(
+            workflow.main_snakefile, Path.cwd(), workflow.config_settings.configfiles))
+    except study_lock.StudyLocked as error:
+        raise WorkflowError(str(error)) from None
+    if released:
+        print(released, file=sys.stderr)
+
+
+onstart:
+    study_lock.claim(sys.argv)
+
+
+onsuccess:
+    study_lock.release()
+
+
+onerror:
+    study_lock.release()
+
 
 PY = sys.executable  # the interpreter Snakemake runs in, so jobs see the same environment
 RESULTS = STUDY.results

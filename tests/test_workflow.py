@@ -158,7 +158,11 @@ def test_paper_dry_run_lists_the_full_grid(tmp_path, name, runs, checkpoint_step
 
 
 @pytest.mark.slow
-def test_reduced_toy_study_interrupted_and_resumed(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop):
+    """Ctrl-C, or a hard kill of Snakemake and its jobs (the OOM killer, a closed login session),
+    then the same command: only what is missing runs. After SIGKILL, Snakemake's lock is left behind
+    and the same command used to fail with LockException until --unlock."""
     config = write_config(tmp_path, REDUCED)
     results = tmp_path / "results"
     log = (tmp_path / "first.log").open("w")
@@ -174,7 +178,7 @@ def test_reduced_toy_study_interrupted_and_resumed(tmp_path):
             break
         time.sleep(0.1)
     assert process.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: SIGINT to Snakemake and its running jobs
+    os.killpg(process.pid, stop)  # to Snakemake and its running jobs
     assert process.wait(timeout=120) != 0
     log.close()
     interrupted = [r.name for r in midway if not (r / COMPLETE).exists()]
@@ -186,6 +190,8 @@ def test_reduced_toy_study_interrupted_and_resumed(tmp_path):
 
     second = snakemake(tmp_path, config)
     assert second.returncode == 0, second.stderr[-5000:]
+    if stop == signal.SIGKILL:
+        assert f"snakemake pid {process.pid} on" in second.stderr and "its lock, if any, is released" in second.stderr
     retrained = jobs_run(second.stderr, "train")
     assert sorted(retrained) == sorted(set(REDUCED_RUNS) - set(finished_before))  # only what was missing
     for name, mtime in finished_before.items():
