@@ -87,13 +87,13 @@ def _train(out, model, processes, **extra):
 def test_two_processes_make_the_same_updates_as_one(warm_model, tmp_path):
     """accelerate launch, two CPU processes over gloo, FSDP2-sharded policy and reference, the hf engine
     on a synced replica, two minibatches split over both, micro-batches: the run of one process."""
-    extra = {"train.minibatches": 2, "train.micro_batch_size": 4}
-    one = _train(tmp_path / "one", warm_model, 1, **extra)
-    two = _train(tmp_path / "two", warm_model, 2, **extra)
+    one = _train(tmp_path / "one", warm_model, 1, **{"train.minibatches": 2})  # 8 rows per update, at once
+    two = _train(tmp_path / "two", warm_model, 2, **{"train.minibatches": 2, "train.micro_batch_size": 4})
     for a, b in zip(one, two, strict=True):
         assert a.keys() == b.keys()
         for key in a.keys() - TIMINGS:  # every statistic, pooled over processes as over one batch
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+            noise = 1e-5 if key.startswith("mismatch_") else 1e-6  # float rounding of the replica's log-probs
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=noise), (a["step"], key)
     # two Adam steps of lr 1e-3 move each weight by about 2e-3; float noise stays far below that
     _assert_close(load_file(tmp_path / "one" / "final" / "model.safetensors"),
                   load_file(tmp_path / "two" / "final" / "model.safetensors"), atol=1e-5)
