@@ -1,7 +1,8 @@
 """Answer extraction and verification: the one scorer of training rewards and evaluation.
 
 `score(response, gold)` returns 1.0 when the response's final answer equals `gold` and 0.0
-otherwise, and never raises. Cheap cases (a multiple-choice letter, numbers) are decided here;
+otherwise, and never raises; `score_choice` scores multiple-choice letters, for a task that knows
+its choices. Cheap cases (numbers, identical strings) are decided here;
 anything else goes to math-verify in a DeadlinePool, so that no input, however hostile, can cost
 more than the verifier's timeout or crash the caller. `Verifier.counts` says how many calls timed
 out, failed, or were rejected before verification (over-long responses or answers).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import functools
 import logging
 import re
 import threading
@@ -82,22 +84,39 @@ def extract_answer(text: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=16)
+def _choice_patterns(letters: str) -> tuple[list[re.Pattern], list[re.Pattern]]:
+    """(explicit, implicit) patterns of a choice among `letters`; each captures the letter once."""
+    upper = re.escape(letters.upper())
+    either = upper + re.escape(letters.lower())
+    answer = r"\b(?i:answer)s?\b"
+    chosen = r"\b(?i:(?:option|choice)\s*(?:is|:))"  # "the correct option is", not "option C is wrong"
+    # "(b)", "**B**", or a bare letter that ends a clause ("Answer: B.")
+    shaped = rf"(?:\(\s*([{either}])\s*\)|\*\*\(?([{either}])\)?\*\*|(?<![\w\\])([{either}])(?=\s*(?:[.,;:!?*)]|$)))"
+    # a bare letter that does not read as a word ("I think", "a bit")
+    bare = rf"(?![IiAa]\s+[a-z])([{either}])(?![\w])"
+    explicit = [rf"\\boxed\s*\{{\s*\(?\s*(?:\\text(?:bf)?\{{\s*)?([{either}])\s*\}}?\s*\)?\s*\}}",
+                answer + r"(?i:\s+(?:is|would\s+be|must\s+be|should\s+be))?\s*:?\s*(?i:(?:option|choice)\s+)?" + bare,
+                rf"{answer}[^\n]{{0,40}}?{shaped}",
+                rf"{chosen}\s*{bare}",
+                rf"{chosen}\s*{shaped}"]
+    implicit = [rf"\(\s*([{upper}])\s*\)", rf"\*\*\(?([{upper}])\)?\*\*",
+                rf"^\s*(?:\*\*)?\(?([{upper}])\)?(?:\*\*)?\s*[.:]?\s*$"]
+    return ([re.compile(p, re.MULTILINE) for p in explicit], [re.compile(p, re.MULTILINE) for p in implicit])
+
+
 def choice_letter(text: str, letters: str = LETTERS) -> str | None:
-    """The multiple-choice letter a response settles on."""
-    boxed = last_boxed(text)
-    if boxed:
-        m = re.fullmatch(rf"\(?\s*(?:\\text\{{)?\s*([{letters}])\s*\}}?\s*\)?", boxed.strip())
-        if m:
-            return m.group(1)
-    patterns = [
-        rf"(?:answer|choice|option)\s*(?:is|:)?\s*:?\s*\(?\s*([{letters}])\b",
-        rf"\(([{letters}])\)",
-        rf"^\s*\(?([{letters}])\)?\s*[.:]?\s*$",
-    ]
-    for pattern in patterns:
-        found = re.findall(pattern, text, flags=re.IGNORECASE | re.MULTILINE)
+    """The multiple-choice letter (one of `letters`, the task's own) a response settles on.
+
+    A letter counts only as a whole word that is evidently a choice. Explicit choices are a letter
+    in \\boxed{}, or one that follows "answer" on its line (right after "answer is" / "answer:", not
+    "answer: I think", or shaped as "(b)", "**B**" or a letter that ends a clause), or "option is" /
+    "choice:"; there lowercase counts too. Otherwise an uppercase "(B)" or "**B**", or a line
+    that is just a letter. The last explicit choice wins (self-corrections), else the last other."""
+    for patterns in _choice_patterns(letters):
+        found = [(m.end(), next(g for g in m.groups() if g)) for p in patterns for m in p.finditer(text)]
         if found:
-            return found[-1].upper()
+            return max(found)[1].upper()
     return None
 
 
@@ -172,8 +191,6 @@ class Verifier:
             self.counts["rejected"] += 1
             return 0.0
         gold = gold.strip()
-        if len(gold) == 1 and gold.upper() in LETTERS:
-            return float(choice_letter(text) == gold.upper())
         candidate = extract_answer(text)
         if candidate is None:
             return 0.0
@@ -246,6 +263,17 @@ def default_verifier() -> Verifier:
         _default = Verifier()
         atexit.register(_default.close)
     return _default
+
+
+def score_choice(response: str | bytes, gold: str, letters: str = LETTERS) -> float:
+    """1.0 if a multiple-choice response settles on the gold letter among the task's `letters`.
+
+    Only a task that knows its choices scores letters: to `score`, a one-letter gold such as `e`
+    (Euler's number) is a math answer."""
+    text = as_text(response)
+    if len(text) > MAX_RESPONSE_CHARS:
+        return 0.0
+    return float(choice_letter(text, letters) == gold.strip().upper())
 
 
 def score(response: str | bytes, gold: str) -> float:

@@ -1,6 +1,8 @@
 """Answer extraction, equivalence, countdown scoring, and the hostile-output corpus."""
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ from eval.verify import (
     extract_answer,
     last_boxed,
     score,
+    score_choice,
     score_countdown,
 )
 from eval.workers import DeadlinePool
@@ -83,6 +86,22 @@ def test_choice_letter_patterns():
     assert choice_letter("\\boxed{\\text{A}}") == "A"
     assert choice_letter("B") == "B"
     assert choice_letter("nothing chosen") is None
+
+
+CHOICE_CORPUS = [json.loads(line) for line in (Path(__file__).parent / "data" / "choice_corpus.jsonl").open()]
+
+
+@pytest.mark.parametrize("case", CHOICE_CORPUS, ids=[f"{c['gold']}:{c['response'][:40]}" for c in CHOICE_CORPUS])
+def test_multiple_choice_corpus(case):
+    """Realistic answers (boxed, "Answer: X", "the correct option is (x)", markdown, self-corrections,
+    other options discussed, letters that are words): the old extraction got 9 of these 31 wrong."""
+    assert score_choice(case["response"], case["gold"], case["letters"]) == case["expected"]
+
+
+def test_a_one_letter_math_answer_is_not_a_choice():
+    """`e` is Euler's number in a math task: only a multiple-choice task scores letters."""
+    assert score("so the limit is \\boxed{e}", "e") == 1.0
+    assert score("so the limit is \\boxed{2}", "e") == 0.0
 
 
 def test_score_never_raises_and_takes_bytes():

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from eval.prompts import LETTERS, arithmetic_prompt, choice_prompt, countdown_prompt, math_prompt
-from eval.verify import default_verifier, last_boxed, score_countdown
+from eval.verify import default_verifier, last_boxed, score_choice, score_countdown
 
 
 def responses(results: Sequence[Any]) -> list[str]:
@@ -61,7 +61,8 @@ def choice_text(doc: dict[str, Any]) -> str:
 
 
 def choice_results(doc: dict[str, Any], results: Sequence[str]) -> dict[str, float]:
-    return _score_against(results, choice_gold(doc))
+    letters = LETTERS[:len(doc["choices"])]  # the letters this question offers, and only those
+    return pass_metrics([score_choice(r, choice_gold(doc), letters) for r in responses(results)])
 
 
 # --- countdown: {"nums" or "numbers": [...], "target"} ----------------------------------------
