@@ -51,6 +51,9 @@ onstart:
 
 onsuccess:
     study_lock.release()
+    tracked = RESULTS / "tracking" / f"{STUDY.name}.json"
+    if tracked.is_file():  # where to look: the MLflow page that compares the study's runs
+        print(f"MLflow, the study's runs: {json.loads(tracked.read_text()).get('runs_page', '?')}", file=sys.stderr)
 
 
 onerror:

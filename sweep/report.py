@@ -345,5 +345,8 @@ def report(results: Path, study: str | None = None, uri: str | None = None,
             _, parent = study_run(client, study, artifact_location(results, uri))
             for path in written:
                 client.log_artifact(parent, str(path), artifact_path=path.parent.name)
+            # the parent run's description in the UI (MLflow's note): the results table itself
+            client.set_tag(parent, "mlflow.note.content", f"# {study}\n\n" + (tables / "results.md").read_text()
+                           + "\nTables and figures: this run's artifacts `tables/` and `figures/`.\n")
     log.info("report: %d rows, %d tasks, %d files", len(rows), len(tasks), len(written))
     return {"rows": len(rows), "tasks": tasks, "files": [str(p) for p in written]}

@@ -59,6 +59,22 @@ class SyncReport:
     artifacts_logged: int = 0
     parent_run_id: str = ""
     child_run_ids: dict[str, str] = field(default_factory=dict)
+    runs_page: str = ""
+
+
+GRID_POINTS = f"tags.`{TAG_ROLE}` = 'grid-point'"
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
+
+
+def runs_page(uri: str, experiment_id: str) -> str:
+    """The MLflow UI page that compares the study's runs: every grid point as a row, metrics as
+    columns. The experiment's own link opens on one collapsed parent row (or, in MLflow 3's UI, on
+    a GenAI overview); with a search filter the UI lists the children themselves. A local store
+    has no server: the page is where `mlflow ui --backend-store-uri <uri>` serves it."""
+    from urllib.parse import quote
+
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
+    return f"{base}/#/experiments/{experiment_id}/runs?searchFilter={quote(GRID_POINTS, safe='')}"
 
 
 def client_for(uri: str):
@@ -208,7 +224,7 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
     with sync_lock(results):
         client = client_for(uri)
         experiment_id, parent_id = study_run(client, study, artifact_location(results, uri))
-        report.parent_run_id = parent_id
+        report.parent_run_id, report.runs_page = parent_id, runs_page(uri, experiment_id)
         for record in load_runs(results):
             run_id = _child_run(client, experiment_id, parent_id, record, report)
             report.child_run_ids[record.run_id] = run_id
@@ -221,6 +237,8 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
                 client.set_terminated(run_id, "FINISHED")
     log.info("synced %s into %s: %d runs created, %d steps, %d evals", results, uri, report.runs_created,
              report.steps_logged, report.evals_logged)
+    log.info("the study's runs in MLflow: %s%s", report.runs_page,
+             "" if uri.startswith(("http://", "https://")) else f" (after: mlflow ui --backend-store-uri {uri})")
     return report
 
 

@@ -174,6 +174,37 @@ def test_sync_into_a_real_mlflow_server_checked_through_its_rest_api(tmp_path, s
     assert sorted((m["step"], m["value"]) for m in history) == [(0, 0.2), (1, 0.4), (2, 0.5), (3, 0.5)]
 
 
+def test_the_study_is_one_click_away_in_a_real_server(tmp_path, server):
+    """What the UI can show, checked through the REST API the UI itself calls: the runs page's
+    search filter lists the grid points with their key metrics, the parent run's note is the results
+    table, and its artifacts hold the tables and figures."""
+    from sweep.report import report
+    from sweep.tracking import GRID_POINTS
+
+    uri = f"http://127.0.0.1:{server}"
+    results = write_study(tmp_path / "results")
+    synced = sync(results, "served", uri=uri)
+    report(results, "served", uri)
+    experiment = rest(server, "experiments/get-by-name?experiment_name=klstudy/served")["experiment"]
+    experiment_id = experiment["experiment_id"]
+    assert synced.runs_page == (f"{uri}/#/experiments/{experiment_id}/runs"
+                                "?searchFilter=tags.%60klstudy.role%60%20%3D%20%27grid-point%27")
+    assert {"key": "mlflow.experimentKind", "value": "custom_model_development"} in experiment["tags"]
+    with urllib.request.urlopen(f"{uri}/", timeout=10) as page:  # the page the URL's fragment opens in
+        assert page.status == 200 and b"<html" in page.read().lower()
+    shown = rest(server, "runs/search", {"experiment_ids": [experiment_id], "filter": GRID_POINTS,
+                                         "max_results": 100})["runs"]
+    assert len(shown) == 5
+    for run in shown:
+        metrics = {m["key"] for m in run["data"]["metrics"]}
+        assert {"reward_mean", "eval/all/math500/pass_at_1"} <= metrics
+    parent = rest(server, f"runs/get?run_id={synced.parent_run_id}")["run"]
+    note = {t["key"]: t["value"] for t in parent["data"]["tags"]}["mlflow.note.content"]
+    assert note.startswith("# served") and (results / "tables" / "results.md").read_text() in note
+    artifacts = rest(server, f"artifacts/list?run_id={synced.parent_run_id}&path=tables")["files"]
+    assert "tables/results.md" in {a["path"] for a in artifacts}
+
+
 def test_tracking_down_during_a_training_run_then_a_sync_loses_nothing(warm_model, tmp_path):
     results = tmp_path / "results"
     run = results / "runs" / "live"
