@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -36,14 +37,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "track":
             from sweep.tracking import follow, sync
 
-            if args.follow:
-                follow(args.results, args.study, args.follow, args.uri, args.interval)
-            else:
-                print(json.dumps(sync(args.results, args.study, args.uri).__dict__))
+            # MLflow prints "View run ... at: <url>" on stdout when it ends a run on a server: stdout
+            # is the sync report's JSON (the track job's output file), so everything else goes to stderr
+            with contextlib.redirect_stdout(sys.stderr):
+                if args.follow:
+                    follow(args.results, args.study, args.follow, args.uri, args.interval)
+                    return 0
+                synced = sync(args.results, args.study, args.uri)
+            print(json.dumps(synced.__dict__))
         else:
             from sweep.report import report
 
-            print(json.dumps(report(args.results, args.study, args.uri, args.collapse_fraction)))
+            with contextlib.redirect_stdout(sys.stderr):
+                written = report(args.results, args.study, args.uri, args.collapse_fraction)
+            print(json.dumps(written))
     except ValueError as error:
         log.error("%s", error)
         return 2

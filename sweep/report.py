@@ -337,12 +337,11 @@ def report(results: Path, study: str | None = None, uri: str | None = None,
     written += accuracy_vs_beta_figures(rows, tasks, figures)
     written += accuracy_over_training_figures(records, tasks, figures)
     if study is not None:
-        from sweep.tracking import artifact_location, client_for, default_uri, study_run, sync_lock
+        from sweep.tracking import default_uri, open_study, sync_lock
 
         uri = uri or default_uri(results)
         with sync_lock(results):
-            client = client_for(uri)
-            _, parent = study_run(client, study, artifact_location(results, uri))
+            client, _, parent = open_study(results, study, uri)
             for path in written:
                 client.log_artifact(parent, str(path), artifact_path=path.parent.name)
             # the parent run's description in the UI (MLflow's note): the results table itself

@@ -66,6 +66,32 @@ GRID_POINTS = f"tags.`{TAG_ROLE}` = 'grid-point'"
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
 
 
+class TrackingAccessError(ValueError):
+    """The tracking server refused this client: no credentials, or wrong ones."""
+
+
+def public_uri(uri: str) -> str:
+    """`uri` without credentials written into it (http://user:password@host): what logs and result
+    files may show. MLflow's own variables, MLFLOW_TRACKING_USERNAME and _PASSWORD, are the way to
+    pass them; klstudy never reads, logs or stores them."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    host = parts.hostname or ""
+    return urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
+
+
+def _check_access(error: Exception, uri: str) -> None:
+    """A 401/403 from the server as one error that says what to set (anything else: raised as is)."""
+    if getattr(error, "error_code", None) in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        raise TrackingAccessError(
+            f"the tracking server {public_uri(uri)} refused access ({error.error_code}): set "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to an account that may write this "
+            "study's experiment") from None
+
+
 def runs_page(uri: str, experiment_id: str) -> str:
     """The MLflow UI page that compares the study's runs: every grid point as a row, metrics as
     columns. The experiment's own link opens on one collapsed parent row (or, in MLflow 3's UI, on
@@ -73,7 +99,7 @@ def runs_page(uri: str, experiment_id: str) -> str:
     has no server: the page is where `mlflow ui --backend-store-uri <uri>` serves it."""
     from urllib.parse import quote
 
-    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
+    base = public_uri(uri).rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
     return f"{base}/#/experiments/{experiment_id}/runs?searchFilter={quote(GRID_POINTS, safe='')}"
 
 
@@ -113,6 +139,18 @@ def study_run(client, study: str, artifacts: str | None = None) -> tuple[str, st
     if parent is None:
         parent = client.create_run(experiment_id, tags=tags, run_name=study)
     return experiment_id, parent.info.run_id
+
+
+def open_study(results: Path, study: str, uri: str):
+    """(client, experiment id, parent run id) of a study in the store at `uri`; a server that refuses
+    this client raises TrackingAccessError, which says what to set."""
+    client = client_for(uri)
+    try:
+        experiment_id, parent_id = study_run(client, study, artifact_location(results, uri))
+    except Exception as error:  # noqa: BLE001 - MlflowException; a refusal shows on this first call
+        _check_access(error, uri)
+        raise
+    return client, experiment_id, parent_id
 
 
 def _params(record: RunRecord):
@@ -222,8 +260,7 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
     uri = uri or default_uri(results)
     report = SyncReport()
     with sync_lock(results):
-        client = client_for(uri)
-        experiment_id, parent_id = study_run(client, study, artifact_location(results, uri))
+        client, experiment_id, parent_id = open_study(results, study, uri)
         report.parent_run_id, report.runs_page = parent_id, runs_page(uri, experiment_id)
         for record in load_runs(results):
             run_id = _child_run(client, experiment_id, parent_id, record, report)
@@ -235,7 +272,7 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
             _log_curves(client, run_id, record, report, report.steps_logged > before)
             if record.complete and run.info.status != "FINISHED":
                 client.set_terminated(run_id, "FINISHED")
-    log.info("synced %s into %s: %d runs created, %d steps, %d evals", results, uri, report.runs_created,
+    log.info("synced %s into %s: %d runs created, %d steps, %d evals", results, public_uri(uri), report.runs_created,
              report.steps_logged, report.evals_logged)
     log.info("the study's runs in MLflow: %s%s", report.runs_page,
              "" if uri.startswith(("http://", "https://")) else f" (after: mlflow ui --backend-store-uri {uri})")
@@ -250,8 +287,11 @@ def follow(results: Path, study: str, run_dir: Path, uri: str | None = None, int
         done = (Path(run_dir) / "COMPLETE").exists()
         try:
             sync(results, study, uri)
+        except TrackingAccessError:
+            raise  # retrying cannot help
         except Exception as error:  # noqa: BLE001 - tracking down: the next round catches up
-            log.warning("tracking sync failed (%s); retrying in %.0f s", error, interval)
+            shown = str(error).replace(uri, public_uri(uri)) if uri else str(error)
+            log.warning("tracking sync failed (%s); retrying in %.0f s", shown, interval)
         if done or (max_wait is not None and time.monotonic() - start > max_wait):
             return
         time.sleep(interval)

@@ -1,5 +1,6 @@
 """MLflow sync: sqlite and a real server, idempotency, concurrency, and a tracking outage."""
 
+import base64
 import json
 import os
 import socket
@@ -122,12 +123,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(tmp_path, port):
+def start_server(tmp_path, port, *extra, env=None):
     db, artifacts = tmp_path / "server.db", tmp_path / "artifacts"
     process = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", str(artifacts)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+         "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", str(artifacts), *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -203,6 +204,64 @@ def test_the_study_is_one_click_away_in_a_real_server(tmp_path, server):
     assert note.startswith("# served") and (results / "tables" / "results.md").read_text() in note
     artifacts = rest(server, f"artifacts/list?run_id={synced.parent_run_id}&path=tables")["files"]
     assert "tables/results.md" in {a["path"] for a in artifacts}
+
+
+PASSWORD = "s3cret-Pass-8817"
+
+
+def test_a_server_with_basic_auth_takes_the_credentials_from_mlflows_variables_and_refuses_others(tmp_path):
+    """The README's recipe: `mlflow server --app-name basic-auth` on 127.0.0.1. With
+    MLFLOW_TRACKING_USERNAME/PASSWORD the sync goes through; without, or with a wrong password, one
+    error says what to set. The password appears in no output, result file or MLflow param."""
+    config = tmp_path / "basic_auth.ini"
+    config.write_text(f"[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+                      f"database_uri = sqlite:///{tmp_path / 'basic_auth.db'}\nadmin_username = admin\n"
+                      f"admin_password = {PASSWORD}\n"
+                      "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    port = free_port()
+    server_env = dict(os.environ, MLFLOW_AUTH_CONFIG_PATH=str(config), MLFLOW_FLASK_SERVER_SECRET_KEY="test-only")
+    process = start_server(tmp_path, port, "--app-name", "basic-auth", env=server_env)
+    try:
+        results = write_study(tmp_path / "results")
+        track = [sys.executable, "-m", "sweep", "track", "--results", str(results), "--study", "guarded",
+                 "--uri", f"http://127.0.0.1:{port}"]
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
+        for env in (clean, clean | {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": "wrong"}):
+            refused = subprocess.run(track, capture_output=True, text=True, env=env, timeout=120)
+            assert refused.returncode == 2, refused.stderr[-2000:]
+            assert "refused access (UNAUTHENTICATED): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD" \
+                in refused.stderr and "Traceback" not in refused.stderr
+        admin = {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": PASSWORD}
+        allowed = subprocess.run(track, capture_output=True, text=True, timeout=300, env=clean | admin)
+        assert allowed.returncode == 0, allowed.stderr[-2000:]
+        assert json.loads(allowed.stdout)["runs_created"] == 5
+        assert PASSWORD not in allowed.stdout + allowed.stderr
+        assert not [p for p in results.rglob("*") if p.is_file() and PASSWORD.encode() in p.read_bytes()]
+        auth = {"Authorization": "Basic " + base64.b64encode(f"admin:{PASSWORD}".encode()).decode()}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/search", headers={**auth, "Content-Type": "application/json"},
+            data=json.dumps({"experiment_ids": [_experiment_id(port, auth)]}).encode())
+        with urllib.request.urlopen(request, timeout=10) as response:
+            runs = json.loads(response.read())["runs"]
+        assert len(runs) == 6 and PASSWORD not in json.dumps(runs)  # params, tags: no credentials
+    finally:
+        stop_server(process)
+
+
+def _experiment_id(port, headers):
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/get-by-name?experiment_name=klstudy/guarded",
+        headers=headers)
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())["experiment"]["experiment_id"]
+
+
+def test_credentials_written_into_a_uri_are_never_shown():
+    from sweep.tracking import public_uri, runs_page
+
+    assert public_uri("http://admin:pw@example.org:5000/") == "http://example.org:5000/"
+    assert public_uri("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
+    assert "pw" not in runs_page("https://admin:pw@example.org", "3")
 
 
 def test_tracking_down_during_a_training_run_then_a_sync_loses_nothing(warm_model, tmp_path):
