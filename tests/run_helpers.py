@@ -2,6 +2,7 @@
 accelerate launch), and what it writes."""
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -58,3 +59,11 @@ def wait_for_lines(out, count, process, timeout=300):
         assert process.poll() is None, process.stderr.read()
         time.sleep(0.05)
     raise AssertionError(f"no {count} metrics lines within {timeout} s")
+
+
+def default_sigint() -> None:
+    """Popen's preexec_fn for a child that a test stops with Ctrl-C (SIGINT). A process started in
+    the background of a non-interactive shell (`cmd &`, as a CI script may run the suite) inherits
+    SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the child would not stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+

@@ -12,15 +12,12 @@ from safetensors.torch import load_file
 
 from trainer import config as run_config
 from trainer.launch import train_command
-from trainer.loop import Run
+from trainer.loop import TIMING_KEYS, Run
 from trainer.objective import combine_stats
 
 # 2 steps, larger lr and beta, token-mean: what the comparisons of one process with several need
 RUN = {**TOY_RUN, "objective.beta": 0.1, "objective.loss_agg": "token-mean", "train.lr": "1e-3", "train.steps": 2,
        "checkpoint.every": 1}
-
-
-TIMINGS = {"gen_time", "train_time", "step_time", "tokens_per_s"}
 
 
 def _overrides(model, **extra):
@@ -52,7 +49,7 @@ def test_micro_batches_and_checkpointing_make_the_same_update(warm_model, tmp_pa
     largest = max(float(g.abs().max()) for g in grad_whole.values())
     _assert_close(grad_whole, grad_parts, atol=1e-5 * largest)
     assert parts.keys() == whole.keys()
-    for key in parts.keys() - TIMINGS:
+    for key in parts.keys() - set(TIMING_KEYS):
         assert parts[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
 
 
@@ -91,7 +88,7 @@ def test_two_processes_make_the_same_updates_as_one(warm_model, tmp_path):
     two = _train(tmp_path / "two", warm_model, 2, **{"train.minibatches": 2, "train.micro_batch_size": 4})
     for a, b in zip(one, two, strict=True):
         assert a.keys() == b.keys()
-        for key in a.keys() - TIMINGS:  # every statistic, pooled over processes as over one batch
+        for key in a.keys() - set(TIMING_KEYS):  # every statistic, pooled over processes as over one batch
             noise = 1e-5 if key.startswith("mismatch_") else 1e-6  # float rounding of the replica's log-probs
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=noise), (a["step"], key)
     # two Adam steps of lr 1e-3 move each weight by about 2e-3; float noise stays far below that

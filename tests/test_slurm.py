@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from run_helpers import default_sigint
 
 from snakemake_executor_plugin_submitit.executor import parse_sbatch
 from snakemake_executor_plugin_submitit.resources import signature, slurm_parameters
@@ -186,16 +187,18 @@ def test_a_training_job_past_its_time_limit_is_requeued_and_resumes(slurm, tmp_p
 def test_interrupted_snakemake_leaves_no_job_in_squeue(slurm, tmp_path):
     config = json.loads(json.dumps(SMALL))
     config["run"]["train"]["steps"] = 2000  # jobs that would run for minutes
+    log = (tmp_path / "snakemake.log").open("w")  # a file, not a pipe nobody drains while it runs
     process = subprocess.Popen([*SNAKEMAKE, *SLURM, "--directory", str(tmp_path), "--configfile",
                                 str(write_config(tmp_path, config))], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stderr=log, text=True, start_new_session=True, preexec_fn=default_sigint)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not any("smk-train" in line and "RUNNING" in line for line in squeue()):
-        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert process.poll() is None, (tmp_path / "snakemake.log").read_text()[-3000:]
         time.sleep(0.5)
     assert any("smk-train" in line for line in squeue())
     process.send_signal(signal.SIGINT)  # Ctrl-C on the submit host
     process.wait(timeout=120)
+    log.close()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and squeue():
         time.sleep(0.5)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from run_helpers import default_sigint
 
 from sweep.grid import StudyError, load_study, run_id
 from trainer.run_files import COMPLETE, read_metrics
@@ -167,7 +168,7 @@ def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop):
     results = tmp_path / "results"
     log = (tmp_path / "first.log").open("w")
     process = subprocess.Popen([*SNAKEMAKE, *LOCAL, "--directory", str(tmp_path), "--configfile", str(config)],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
     # Interrupt once Snakemake has seen a training job finish and another run is mid-way (its first
     # checkpoint written, not yet complete).
     deadline = time.monotonic() + 480
