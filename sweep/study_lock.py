@@ -18,7 +18,6 @@ lock, so it cannot tell a dead holder from a live one. This module does:
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shlex
 import socket
@@ -26,8 +25,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 RECORD = Path(".snakemake") / "klstudy-lock-holder.json"  # in Snakemake's working directory
 SKIP = "KLSTUDY_SKIP_LOCK_CHECK"  # set for the nested `--unlock`, which parses the Snakefile too
