@@ -483,17 +483,20 @@ class Run:
         bar = progress_bar(c.train.steps, "train", show=None if main else False)
         bar.update(self.step)
         try:
+            if self.step < c.train.steps and self._stopping(sigterm):  # SIGTERM while loading
+                raise Preempted
             while self.step < c.train.steps:
-                if self._stopping(sigterm):
-                    raise Preempted
                 metrics = self.run_step()
                 if metrics_file is not None:
                     metrics_file.write(json.dumps(metrics) + "\n")
                     metrics_file.flush()
                 bar.update()
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_k3']:.4f}")
-                if self.step % c.checkpoint.every == 0 or self._stopping(sigterm):
+                stopping = self._stopping(sigterm)  # one collective per step
+                if self.step % c.checkpoint.every == 0 or stopping:
                     self.save_checkpoint()
+                if stopping and self.step < c.train.steps:
+                    raise Preempted
         except Preempted:
             if self.step and self.saved_step != self.step:
                 self.save_checkpoint()
