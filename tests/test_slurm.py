@@ -165,9 +165,11 @@ def test_small_study_on_slurm_gives_the_local_outputs(slurm, tmp_path):
 def test_a_training_job_past_its_time_limit_is_requeued_and_resumes(slurm, tmp_path):
     config = json.loads(json.dumps(SMALL))
     config["grid"]["baseline"] = False
-    # About 100 s of training in jobs limited to 2 minutes, warned 60 s before the limit. slurmctld checks
-    # limits every 30 s, so each attempt runs 60-90 s: the run needs one requeue, sometimes two.
-    steps = 600
+    # Jobs limited to 2 minutes, warned 60 s before the limit: slurmctld checks limits every 30 s, so each
+    # attempt runs 60-90 s, start-up included. 2000 steps are 130 s of training on an idle 2-core machine
+    # (0.065 s a step; 600 steps once finished inside one attempt) and about 340 s on a busy one: the run
+    # needs at least one requeue, at most about five.
+    steps = 2000
     config["run"]["train"].update(steps=steps, prompts_per_step=16, group_size=4)
     config["run"]["checkpoint"]["every"] = 5
     config["resources"]["train"] = {"runtime": 2}
