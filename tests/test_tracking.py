@@ -146,10 +146,10 @@ def stop_server(process):
     process.wait(timeout=30)
 
 
-def rest(port, path, payload=None):
+def rest(port, path, payload=None, headers=None):
     url = f"http://127.0.0.1:{port}/api/2.0/mlflow/{path}"
     request = urllib.request.Request(url, data=json.dumps(payload).encode() if payload is not None else None,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
 
@@ -238,22 +238,11 @@ def test_a_server_with_basic_auth_takes_the_credentials_from_mlflows_variables_a
         assert PASSWORD not in allowed.stdout + allowed.stderr
         assert not [p for p in results.rglob("*") if p.is_file() and PASSWORD.encode() in p.read_bytes()]
         auth = {"Authorization": "Basic " + base64.b64encode(f"admin:{PASSWORD}".encode()).decode()}
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/search", headers={**auth, "Content-Type": "application/json"},
-            data=json.dumps({"experiment_ids": [_experiment_id(port, auth)]}).encode())
-        with urllib.request.urlopen(request, timeout=10) as response:
-            runs = json.loads(response.read())["runs"]
+        experiment = rest(port, "experiments/get-by-name?experiment_name=klstudy/guarded", headers=auth)["experiment"]
+        runs = rest(port, "runs/search", {"experiment_ids": [experiment["experiment_id"]]}, headers=auth)["runs"]
         assert len(runs) == 6 and PASSWORD not in json.dumps(runs)  # params, tags: no credentials
     finally:
         stop_server(process)
-
-
-def _experiment_id(port, headers):
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/get-by-name?experiment_name=klstudy/guarded",
-        headers=headers)
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())["experiment"]["experiment_id"]
 
 
 def test_credentials_written_into_a_uri_are_never_shown():

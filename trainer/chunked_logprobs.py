@@ -21,11 +21,11 @@ def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: fl
     logits = hidden @ weight.T
     if bias is not None:
         logits += bias
-    logits = logits.to(_compute_dtype(hidden))
+    logits = logits.to(compute_dtype(hidden))
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
-def _compute_dtype(hidden: Tensor) -> torch.dtype:
+def compute_dtype(hidden: Tensor) -> torch.dtype:
     """float64 stays float64 (for exact tests); every lower precision is computed in float32."""
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
@@ -34,7 +34,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk: int,
                 temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
-        logp = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden), device=hidden.device)
+        logp = torch.empty(hidden.shape[0], dtype=compute_dtype(hidden), device=hidden.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         for start in range(0, hidden.shape[0], chunk):

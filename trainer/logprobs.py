@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.chunked_logprobs import DEFAULT_CHUNK, token_logprobs
+from trainer.chunked_logprobs import DEFAULT_CHUNK, compute_dtype, token_logprobs
 from trainer.rollout.base import Rollouts
 
 
@@ -92,7 +92,7 @@ class CompletionLogprobs(torch.nn.Module):
         if head is None:
             out = model(**inputs, logits_to_keep=length + 1)
             # position P-1+t predicts completion token t
-            logits = _at_least_float32(out.logits[:, :length]) / temperature
+            logits = out.logits[:, :length].to(compute_dtype(out.logits)) / temperature
             logp_all = torch.log_softmax(logits, dim=-1)
             logp = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1) * batch.completion_mask
             entropy = None
@@ -106,7 +106,6 @@ class CompletionLogprobs(torch.nn.Module):
         rows = hidden[mask]
         flat, flat_entropy = token_logprobs(rows, head.weight, head.bias, batch.completion_ids[mask], temperature,
                                             chunk, with_entropy)
-        flat = _at_least_float32(flat)
         logp = torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
         entropy = None
         if flat_entropy is not None:
@@ -118,11 +117,6 @@ def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, wit
                         chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`CompletionLogprobs(model, temperature, chunk)(batch, with_entropy)`, for one-off calls."""
     return CompletionLogprobs(model, temperature, chunk)(batch, with_entropy)
-
-
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """Half-precision values upcast to float32; a float64 model (the exactness tests) keeps float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _linear_head(model):
