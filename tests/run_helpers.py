@@ -49,6 +49,11 @@ def metrics(out):
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+def objective(out):
+    """The run's objective.jsonl lines (the measured regularized objective)."""
+    return [json.loads(line) for line in (Path(out) / "objective.jsonl").read_text().splitlines()]
+
+
 def wait_for_lines(out, count, process, timeout=300):
     """Until the run in `out` has written `count` metrics lines (its process must not have ended)."""
     deadline = time.monotonic() + timeout

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from run_helpers import TOY_RUN, command, metrics, overrides, train_cli
+from run_helpers import TOY_RUN, command, metrics, objective, overrides, train_cli
 from safetensors.torch import load_file
 
 from trainer import config as run_config
@@ -84,8 +84,9 @@ def _train(out, model, processes, **extra):
 def test_two_processes_make_the_same_updates_as_one(warm_model, tmp_path):
     """accelerate launch, two CPU processes over gloo, FSDP2-sharded policy and reference, the hf engine
     on a synced replica, two minibatches split over both, micro-batches: the run of one process."""
-    one = _train(tmp_path / "one", warm_model, 1, **{"train.minibatches": 2})  # 8 rows per update, at once
-    two = _train(tmp_path / "two", warm_model, 2, **{"train.minibatches": 2, "train.micro_batch_size": 4})
+    measure = {"measure.prompts": 6, "measure.samples": 3, "measure.reference_samples": 4}  # 3 prompts each
+    one = _train(tmp_path / "one", warm_model, 1, **{"train.minibatches": 2, **measure})  # 8 rows per update
+    two = _train(tmp_path / "two", warm_model, 2, **{"train.minibatches": 2, "train.micro_batch_size": 4, **measure})
     for a, b in zip(one, two, strict=True):
         assert a.keys() == b.keys()
         for key in a.keys() - set(TIMING_KEYS):  # every statistic, pooled over processes as over one batch
@@ -94,6 +95,10 @@ def test_two_processes_make_the_same_updates_as_one(warm_model, tmp_path):
     # two Adam steps of lr 1e-3 move each weight by about 2e-3; float noise stays far below that
     _assert_close(load_file(tmp_path / "one" / "final" / "model.safetensors"),
                   load_file(tmp_path / "two" / "final" / "model.safetensors"), atol=1e-5)
+    # the objective measured by both processes, each on its share of the held-out prompts, gathered in order
+    (a,), (b,) = (objective(tmp_path / name) for name in ("one", "two"))
+    assert b["per_prompt"]["reward"] == a["per_prompt"]["reward"] and b["reference_reward"] == a["reference_reward"]
+    assert b["per_prompt"]["kl"] == pytest.approx(a["per_prompt"]["kl"], abs=1e-5) and a["step"] == b["step"] == 2
     state = torch.load(tmp_path / "two" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
     assert len(state["processes"]) == 2 and state["step"] == 2
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_1", "step_2"]

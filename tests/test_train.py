@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import metrics, overrides, start_cli, train_cli, wait_for_lines
+from run_helpers import metrics, objective, overrides, start_cli, train_cli, wait_for_lines
 from safetensors.torch import load_file
 
 from trainer import checkpoint
@@ -23,7 +23,9 @@ def weights(out):
     return load_file(Path(out) / "final" / "model.safetensors")
 
 
-REFERENCE_CHECKPOINTS = {"checkpoint.every": 1, "checkpoint.keep_every": 5}
+MEASURE = {"measure.prompts": 8, "measure.samples": 4, "measure.reference_samples": 8, "measure.every": 5,
+           "measure.task_options": "{seed: 1}"}
+REFERENCE_CHECKPOINTS = {"checkpoint.every": 1, "checkpoint.keep_every": 5, **MEASURE}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,14 @@ def test_toy_run_end_to_end(reference_run, warm_model):
     assert kept == ["step_5", "step_10", "step_15", "step_19", "step_20"]  # keep = 2, keep_every = 5
     kept_model = out / "checkpoints" / "step_10" / "model"  # a complete model directory, for evaluation
     assert AutoModelForCausalLM.from_pretrained(kept_model) and AutoTokenizer.from_pretrained(kept_model)
+    measured = objective(out)
+    assert [m["step"] for m in measured] == [5, 10, 15, 20]
+    for line in measured:
+        assert line["prompts"] == 8 and line["samples"] == 4 and len(line["per_prompt"]["kl"]) == 8
+        assert all(kl >= 0 for kl in line["per_prompt"]["kl"]) and 0 <= line["reward"] <= 1
+        assert line["gap"] == pytest.approx(line["optimum"] - line["reward"] + 0.05 * line["kl"])
+    reference = json.loads((out / "objective_reference.json").read_text())
+    assert len(reference["histograms"]) == 8 and all(sum(c for _, c in h) == 8 for h in reference["histograms"])
     before = (out / "metrics.jsonl").read_text()
     again = train_cli(out, warm_model, **REFERENCE_CHECKPOINTS)
     assert again.returncode == 0 and "already complete" in again.stderr
@@ -60,21 +70,22 @@ def test_toy_run_end_to_end(reference_run, warm_model):
 
 
 def _comparable(lines):
-    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in lines]
+    return [{k: v for k, v in m.items() if k not in (*TIMING_KEYS, "measure_time")} for m in lines]
 
 
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(reference_run, warm_model, tmp_path):
     out = tmp_path / "killed"
     kill_after = random.Random(os.getpid()).randint(3, 16)
-    process = start_cli(out, warm_model, **{"checkpoint.every": 1})
+    process = start_cli(out, warm_model, **{"checkpoint.every": 1, **MEASURE})
     wait_for_lines(out, kill_after, process)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     assert not (out / COMPLETE).exists()
-    resumed = train_cli(out, warm_model, **{"checkpoint.every": 1})
+    resumed = train_cli(out, warm_model, **{"checkpoint.every": 1, **MEASURE})
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from checkpoint" in resumed.stderr
     assert _comparable(metrics(out)) == _comparable(metrics(reference_run))
+    assert _comparable(objective(out)) == _comparable(objective(reference_run))  # measured again, identically
     a, b = weights(out), weights(reference_run)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -246,6 +257,19 @@ def test_resume_drops_a_torn_metrics_line(tmp_path):
     assert metrics(tmp_path) == [{"step": 0}]
 
 
+def test_a_run_killed_before_its_first_checkpoint_starts_over_with_clean_metrics(warm_model, tmp_path):
+    """Ctrl-C between a step's metrics line and its checkpoint: the lines written so far go, instead of
+    being followed by a second step 0 (a reduced study under Snakemake found this)."""
+    out = tmp_path / "early"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward_mean": 9.0}) + "\n" for i in range(3)))
+    (out / "objective.jsonl").write_text(json.dumps({"step": 3, "kl": 9.0}) + "\n")
+    done = train_cli(out, warm_model, **{"train.steps": 2})
+    assert done.returncode == 0, done.stderr
+    assert [m["step"] for m in metrics(out)] == [0, 1] and all(m["reward_mean"] != 9.0 for m in metrics(out))
+    assert (out / "objective.jsonl").read_text() == ""
+
+
 def test_a_run_started_before_a_config_key_existed_still_resumes(warm_model, tmp_path):
     """config.yaml of a run started by an older klstudy lacks the keys added since: at their
     defaults they are no change; set otherwise, they are."""
@@ -260,3 +284,32 @@ def test_a_run_started_before_a_config_key_existed_still_resumes(warm_model, tmp
     stub.config = run_config.load(None, overrides(warm_model, **{"rollout.vllm_cpu_kvcache_gib": 2}))
     with pytest.raises(run_config.ConfigError, match=r"different config \(rollout.vllm_cpu_kvcache_gib\)"):
         Run._check_or_write_config(stub)
+
+
+def test_train_runs_trains_a_plan_in_one_process_as_single_runs_would(warm_model, tmp_path):
+    short = {"train.steps": 2, "checkpoint.every": 1}
+    plan = {str(tmp_path / "a"): overrides(warm_model, **short, **{"train.seed": 1}),
+            str(tmp_path / "b"): overrides(warm_model, **short, **{"train.seed": 2})}
+    done = subprocess.run([sys.executable, "-m", "trainer", "train-runs", "--plan", json.dumps(plan)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "run 2 of 2" in done.stderr and (tmp_path / "a" / COMPLETE).exists() and (tmp_path / "b" / COMPLETE).exists()
+    alone = train_cli(tmp_path / "b-alone", warm_model, **short, **{"train.seed": 2})
+    assert alone.returncode == 0, alone.stderr
+    assert _comparable(metrics(tmp_path / "b")) == _comparable(metrics(tmp_path / "b-alone"))  # nothing leaks over
+    assert _comparable(metrics(tmp_path / "a")) != _comparable(metrics(tmp_path / "b"))
+
+    # a bad config anywhere in the plan stops it before any run starts
+    bad = {str(tmp_path / "c"): overrides(warm_model, **short), str(tmp_path / "d"): ["train.stepz=2"]}
+    refused = subprocess.run([sys.executable, "-m", "trainer", "train-runs", "--plan", json.dumps(bad)],
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "d: train.stepz: unknown key" in refused.stderr
+    assert not (tmp_path / "c").exists()
+    # a run that fails does not stop the next one
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "config.yaml").write_text("train: {steps: 99}\n")  # another run's directory
+    mixed = {str(tmp_path / "e"): overrides(warm_model, **short), str(tmp_path / "f"): overrides(warm_model, **short)}
+    partly = subprocess.run([sys.executable, "-m", "trainer", "train-runs", "--plan", json.dumps(mixed)],
+                            capture_output=True, text=True, timeout=600)
+    assert partly.returncode == 1 and "holds a run with a different config" in partly.stderr
+    assert (tmp_path / "f" / COMPLETE).exists() and "1 of 2 runs failed" in partly.stderr

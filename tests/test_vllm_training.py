@@ -4,13 +4,14 @@ the policy, SIGKILL, resume. Each run starts its own engine, so this is one run 
 import signal
 
 import pytest
-from run_helpers import metrics, start_cli, train_cli, wait_for_lines
+from run_helpers import metrics, objective, start_cli, train_cli, wait_for_lines
 from vllm_required import require_vllm
 
 from trainer.loop import COMPLETE
 
 VLLM_RUN = {"rollout.engine": "vllm", "train.async_level": 1, "train.steps": 6, "checkpoint.every": 1,
-            "objective.tis_cap": 2.0}
+            "objective.tis_cap": 2.0, "measure.prompts": 4, "measure.samples": 4, "measure.reference_samples": 4,
+            "measure.every": 3}
 
 
 @pytest.mark.slow
@@ -34,6 +35,8 @@ def test_a_vllm_run_a_step_ahead_survives_sigkill_and_resumes(warm_model, tmp_pa
         assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
     assert sum(m["reward_mean"] for m in lines) / len(lines) > 0.1  # vLLM's texts reach the verifier and score
     assert (out / COMPLETE).exists()
+    measured = objective(out)  # the objective measured with vLLM's samples, across the kill
+    assert [m["step"] for m in measured] == [3, 6] and all(k >= 0 for m in measured for k in m["per_prompt"]["kl"])
 
 
 @pytest.mark.slow

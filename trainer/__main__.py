@@ -1,4 +1,4 @@
-"""Command line of the trainer: `python -m trainer audit|toy-model|sft|export-data|fetch-model|train ...`."""
+"""Command line of the trainer: `python -m trainer audit|toy-model|sft|export-data|fetch-model|train|train-runs ...`."""
 
 from __future__ import annotations
 
@@ -233,6 +233,47 @@ def _run_train(args: argparse.Namespace) -> int:
     return train(run_config.load(args.config, args.overrides), args.out)
 
 
+def _train_runs_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-runs", help="several runs, one after another, in one process",
+                       description="Trains each run of --plan as `train --out DIR OVERRIDES` would, in one process "
+                       "(so interpreter start, imports and loading are paid once: studies bundle their small runs "
+                       "this way). Every config is validated before the first run starts; a run that fails does "
+                       "not stop the others (the exit status is then 1); SIGTERM checkpoints the current run and "
+                       "exits with 75, and the same command resumes.")
+    p.add_argument("--plan", required=True, help='JSON: {"RUN_DIR": ["section.key=value", ...], ...}')
+    p.set_defaults(func=_run_train_runs)
+
+
+def _run_train_runs(args: argparse.Namespace) -> int:
+    from trainer import config as run_config
+    from trainer.loop import EXIT_PREEMPTED, TrainingError, train
+
+    try:
+        plan = json.loads(args.plan)
+    except json.JSONDecodeError as error:
+        raise run_config.ConfigError(f"--plan: not JSON ({error})") from None
+    if not isinstance(plan, dict) or not all(isinstance(v, list) for v in plan.values()):
+        raise run_config.ConfigError('--plan: expected {"RUN_DIR": ["section.key=value", ...], ...}')
+    configs = {}
+    for out, overrides in plan.items():
+        try:
+            configs[Path(out)] = run_config.load(None, [str(o) for o in overrides])
+        except run_config.ConfigError as error:
+            raise run_config.ConfigError(f"--plan {out}: {error}") from None
+    failed = []
+    for out, config in configs.items():
+        log.info("run %d of %d: %s", list(configs).index(out) + 1, len(configs), out)
+        try:
+            if train(config, out) == EXIT_PREEMPTED:
+                return EXIT_PREEMPTED
+        except (ValueError, TrainingError) as error:
+            log.error("%s: %s", out, error)
+            failed.append(out)
+    if failed:
+        log.error("%d of %d runs failed: %s", len(failed), len(configs), ", ".join(map(str, failed)))
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="klstudy's RL trainer")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     _export_parser(sub)
     _fetch_parser(sub)
     _train_parser(sub)
+    _train_runs_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _quiet_libraries()

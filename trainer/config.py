@@ -1,7 +1,7 @@
 """The typed run configuration: YAML in, frozen dataclasses out, every error naming its key.
 
-A run config has sections model, task, objective, rollout, train, checkpoint and verifier. Every
-key can be overridden on the command line as section.key=value (the value is read as YAML).
+A run config has sections model, task, objective, rollout, train, checkpoint, verifier and
+measure. Every key can be overridden on the command line as section.key=value (read as YAML).
 Validation happens here, before any model loads.
 """
 
@@ -91,6 +91,18 @@ class VerifierConfig:
 
 
 @dataclass(frozen=True)
+class MeasureConfig:
+    """The regularized objective measured on held-out prompts (trainer.objective_measure)."""
+
+    prompts: int = 0                # held-out prompts (0: no measurement)
+    samples: int = 16               # the policy's completions per prompt at each measurement
+    reference_samples: int = 64     # the reference's completions per prompt, once: their rewards give J*
+    every: int = 0                  # also measure every N steps (0: the final model only)
+    seed: int = 1                   # picks the prompts and seeds their sampling (the same at every measurement)
+    task_options: dict[str, Any] = field(default_factory=dict)  # task.options overrides for the held-out set
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -99,6 +111,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
@@ -208,10 +221,14 @@ def validate(config: RunConfig) -> None:
     non_negative = {"train.warmup_steps": t.warmup_steps, "train.async_level": t.async_level,
                     "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
                     "checkpoint.keep_every": c.keep_every, "train.logprob_chunk": t.logprob_chunk,
-                    "train.micro_batch_size": t.micro_batch_size, "rollout.vllm_max_model_len": r.vllm_max_model_len}
+                    "train.micro_batch_size": t.micro_batch_size, "rollout.vllm_max_model_len": r.vllm_max_model_len,
+                    "measure.prompts": config.measure.prompts, "measure.every": config.measure.every}
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if config.measure.prompts and min(config.measure.samples, config.measure.reference_samples) < 1:
+        raise ConfigError(f"measure.samples and measure.reference_samples: must be >= 1, got "
+                          f"{config.measure.samples} and {config.measure.reference_samples}")
     if not t.lr > 0:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
     if v.timeout <= 0:

@@ -76,24 +76,29 @@ class CompletionLogprobs(torch.nn.Module):
         super().__init__()
         self.lm, self.temperature, self.chunk = lm, temperature, chunk
 
-    def forward(self, batch: PackedBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: PackedBatch, with_entropy: bool = False,
+                whole_vocabulary: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log pi(token) of every completion token ([B, T], float32 or the LM's wider dtype, 0 on padding)
         and, optionally, the entropy of each token's distribution (detached).
 
         With chunk > 0 (and an LM whose logits are a plain linear head over its last hidden states),
         the logits of at most `chunk` tokens exist at a time (`trainer.chunked_logprobs`), and only
-        for completion tokens; chunk = 0 computes all of them at once, the naive way."""
+        for completion tokens; chunk = 0 computes all of them at once, the naive way.
+        With `whole_vocabulary`, the first result is instead log pi of every vocabulary entry at every
+        completion position ([B, T, V]; callers bound B x T x V), for full-distribution quantities."""
         model, temperature, chunk = self.lm, self.temperature, self.chunk
         positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
         length = batch.completion_ids.shape[1]
         inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
                       use_cache=False)
-        head = _linear_head(model) if chunk else None
+        head = _linear_head(model) if chunk and not whole_vocabulary else None
         if head is None:
             out = model(**inputs, logits_to_keep=length + 1)
             # position P-1+t predicts completion token t
             logits = out.logits[:, :length].to(compute_dtype(out.logits)) / temperature
             logp_all = torch.log_softmax(logits, dim=-1)
+            if whole_vocabulary:
+                return logp_all, None
             logp = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1) * batch.completion_mask
             entropy = None
             if with_entropy:

@@ -45,10 +45,11 @@ from trainer.distributed import (
 from trainer.logprobs import CompletionLogprobs, PackedBatch, pack, token_matrix
 from trainer.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
 from trainer.objective import combine_stats, compute_loss
+from trainer.objective_measure import ObjectiveProbe
 from trainer.progress import progress_bar
 from trainer.rollout import make_engine
 from trainer.rollout.base import Rollouts, SamplingParams, sample_seeds
-from trainer.run_files import COMPLETE, CONFIG, METRICS, read_metrics
+from trainer.run_files import COMPLETE, CONFIG, METRICS, OBJECTIVE, OBJECTIVE_REFERENCE, read_metrics
 from trainer.tasks import DataOrder, Task, make_task
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,9 @@ def _check_world(config: RunConfig, world: World) -> None:
     if t.micro_batch_size and rows % t.micro_batch_size:
         raise ConfigError(f"train.micro_batch_size: {t.micro_batch_size} does not divide the {rows} completions "
                           f"each process trains on per minibatch")
+    if config.measure.prompts % world.size:
+        raise ConfigError(f"measure.prompts: {config.measure.prompts} held-out prompts do not split evenly over "
+                          f"{world.size} processes")
 
 
 class Run:
@@ -227,6 +231,8 @@ class Run:
         self.step, self.data_position, self.nonfinite_in_row = 0, 0, 0
         self.saved_step = self.resumed[0] if self.resumed is not None else None
         self.pending: deque[PendingBatch] = deque()
+        self.probe = ObjectiveProbe(c, self.tokenizer, world) if c.measure.prompts else None
+        self.reference_record: dict[str, Any] | None = None
         torch.manual_seed(c.train.seed)
         np.random.seed(c.train.seed)
         random.seed(c.train.seed)
@@ -279,8 +285,11 @@ class Run:
         }
 
     def restore(self) -> None:
-        """Continue from the checkpoint whose weights __init__ loaded, if any."""
+        """Continue from the checkpoint whose weights __init__ loaded, if any. Without one the run starts
+        over: lines that a run killed before its first checkpoint wrote are dropped."""
         if self.resumed is None:
+            if self.world.main:
+                self._truncate_metrics(0)
             return
         step, state = self.resumed
         processes = state.get("processes") or [state]  # a checkpoint from before multi-process runs
@@ -302,11 +311,13 @@ class Run:
         log.info("resumed from checkpoint step_%d", step)
 
     def _truncate_metrics(self, step: int) -> None:
-        """Drop metrics of steps after the checkpoint (and a torn last line): they are run again."""
-        path = self.out / METRICS
-        if path.exists():
-            kept = [line for line in read_metrics(path) if line["step"] < step]
-            path.write_text("".join(json.dumps(line) + "\n" for line in kept))
+        """Drop metrics of steps after the checkpoint (and a torn last line): they are run again. A
+        metrics line is numbered by the step it trained, an objective line by the updates before it."""
+        for name, last in ((METRICS, step - 1), (OBJECTIVE, step)):
+            path = self.out / name
+            if path.exists():
+                kept = [line for line in read_metrics(path) if line["step"] <= last]
+                path.write_text("".join(json.dumps(line) + "\n" for line in kept))
 
     def save_checkpoint(self) -> None:
         """Every process joins in gathering the weights and optimizer state; the main process writes."""
@@ -474,11 +485,50 @@ class Run:
             "tokens_per_s": (generated + trained) / max(t_end - t0, 1e-9),
         }
 
+    # --- the regularized objective -----------------------------------------------------------
+
+    def _prepare_measurement(self) -> None:
+        """The reference's reward histograms of the held-out prompts: read back, or sampled now while the
+        policy is the reference (before the first update) and written once."""
+        path = self.out / OBJECTIVE_REFERENCE
+        if path.is_file():
+            self.reference_record = json.loads(path.read_text())
+            return
+        if self.step != 0:
+            raise TrainingError(f"{path} is missing: the reference's rewards are sampled before the first update; "
+                                "start the run again in a new --out")
+        t0 = time.perf_counter()
+        try:
+            self.reference_record = self.probe.reference_record(self.engine, self.verifier)
+        except VerifierUnavailable as error:
+            raise TrainingError(str(error)) from None
+        self.reference_record["measure_time"] = time.perf_counter() - t0
+        if self.world.main:
+            partial = path.with_name(path.name + ".partial")
+            partial.write_text(json.dumps(self.reference_record) + "\n")
+            partial.replace(path)
+
+    def _measure(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            line = self.probe.measure(self.step, self.engine, self.policy, self.reference, self.verifier,
+                                      self.device, self.reference_record)
+        except VerifierUnavailable as error:
+            raise TrainingError(str(error)) from None
+        line["measure_time"] = time.perf_counter() - t0
+        return line
+
+    def _due_for_measurement(self) -> bool:
+        every = self.config.measure.every
+        return self.probe is not None and (self.step == self.config.train.steps or (every and self.step % every == 0))
+
     # --- the whole run ----------------------------------------------------------------------
 
     def train(self, sigterm: _SigtermFlag) -> None:
         c, main = self.config, self.world.main
         self.restore()
+        if self.probe is not None and self.step < c.train.steps:
+            self._prepare_measurement()
         metrics_file = (self.out / METRICS).open("a") if main else None
         bar = progress_bar(c.train.steps, "train", show=None if main else False)
         bar.update(self.step)
@@ -492,6 +542,11 @@ class Run:
                     metrics_file.flush()
                 bar.update()
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_k3']:.4f}")
+                if self._due_for_measurement():
+                    measured = self._measure()
+                    if main:
+                        with (self.out / OBJECTIVE).open("a") as handle:
+                            handle.write(json.dumps(measured) + "\n")
                 stopping = self._stopping(sigterm)  # one collective per step
                 if self.step % c.checkpoint.every == 0 or stopping:
                     self.save_checkpoint()

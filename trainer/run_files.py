@@ -12,10 +12,12 @@ from typing import Any
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 COMPLETE = "COMPLETE"
+OBJECTIVE = "objective.jsonl"                     # the regularized objective measured at some steps
+OBJECTIVE_REFERENCE = "objective_reference.json"  # the reference's reward histogram per held-out prompt
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl lines, in order; a torn last line (a run killed mid-write) is dropped."""
+    """metrics.jsonl (or objective.jsonl) lines, in order; a torn last line (a run killed mid-write) is dropped."""
     if not path.exists():
         return []
     lines = []
