@@ -27,7 +27,8 @@ RULES = ("prepare", "train", "evaluate", "track", "report")
 RESOURCE_KEYS = ("cpus", "mem_mb", "runtime", "gpus", "slurm_partition", "slurm_account", "slurm_qos",
                  "constraint", "nodes", "tasks")
 GRID_KEYS = ("model", "estimator", "placement", "beta", "seed")
-TOP_KEYS = ("study", "results", "models", "grid", "run", "data", "evaluate", "tracking", "resources")
+TOP_KEYS = ("study", "results", "models", "grid", "run", "data", "evaluate", "tracking", "resources", "bundle")
+BUNDLED = ("train", "evaluate")  # rules whose jobs may each take several grid points, in one process
 EVAL_KEYS = ("suites", "samples", "limit", "every", "batch_size", "max_gen_toks", "temperature", "top_p",
              "backend", "data")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -77,6 +78,7 @@ class Study:
     evaluate: dict[str, Any]
     tracking_uri: str | None
     resources: dict[str, dict[str, Any]]  # rule -> resources (defaults merged in)
+    bundle: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BUNDLED, 1))
     by_id: dict[str, RunSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -103,6 +105,14 @@ class Study:
         every = self.evaluate["every"]
         steps = self.run(run_id).config.get("train", {}).get("steps", TrainConfig.steps)
         return list(range(every, steps, every)) if every else []
+
+    def bundles(self, rule: str, items: list[Any], model_of=lambda item: item) -> list[list[Any]]:
+        """`items` (run ids, or evaluations keyed by run id) in jobs of `bundle.<rule>` each: a job never
+        mixes models (they may differ in resources and settings); within a model, in grid order."""
+        size, by_model = self.bundle[rule], {}
+        for item in items:
+            by_model.setdefault(self.run(model_of(item)).model, []).append(item)
+        return [group[i:i + size] for group in by_model.values() for i in range(0, len(group), size)]
 
     def eval_data(self) -> dict[str, str]:
         """TASK -> data source: a prepared data set's file, or the path / hub id as given."""
@@ -421,4 +431,12 @@ def load_study(data: dict[str, Any]) -> Study:
     if len(set(ids)) != len(ids):  # two betas that print alike, such as 0.1 and 0.10000000001
         duplicate = next(i for i in ids if ids.count(i) > 1)
         raise StudyError(f"grid.betas: two grid points share the run id {duplicate}")
-    return Study(name, Path(results), models, runs, study_data, evaluate, tracking.get("uri"), resources)
+    return Study(name, Path(results), models, runs, study_data, evaluate, tracking.get("uri"), resources,
+                 _bundle(data.get("bundle")))
+
+
+def _bundle(raw: Any) -> dict[str, int]:
+    """Grid points per job of each bundled rule (default 1: a job per grid point)."""
+    spec = _mapping(raw, "bundle")
+    _known(spec, BUNDLED, "bundle")
+    return {rule: _number(spec.get(rule, 1), f"bundle.{rule}", integer=True, minimum=1) for rule in BUNDLED}

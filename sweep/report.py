@@ -1,17 +1,20 @@
-"""Paper-style tables and figures from the run directories.
+"""Paper-style tables from the run directories (the figures are sweep.figures).
 
 Tables: rows are estimator x placement, grouped by model and beta, with the no-KL baseline in a
-group of its own; columns are the evaluated tasks; a cell is mean +- std of pass@1 over seeds. The
-best mean of each column within a model is bold; a configuration with an unstable run is marked
-with a dagger and the reasons are listed under the table. Written as Markdown, LaTeX (booktabs)
-and CSV. Figures: training curves per configuration with the spread over seeds shaded, and
-accuracy against beta.
+group of its own. Columns are the evaluated tasks (pass@1), then the regularized objective measured
+on held-out prompts (trainer.objective_measure): the objective gap J* - J(pi) at the row's beta,
+the KL to the reference and the reward. A cell is mean +- std over seeds. Each beta group starts
+with the reference model's own row (KL 0). A star marks a configuration that differs from
+k1-reward at the same beta by a paired t-test over seeds; the best mean of a column is bold; a
+dagger marks a configuration with an unstable run, with the reasons under the table. Written as
+Markdown, LaTeX (booktabs) and CSV.
 """
 
 from __future__ import annotations
 
 import csv
 import logging
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +25,14 @@ from sweep.runs import RunRecord, load_runs
 
 log = logging.getLogger(__name__)
 
-CURVES = ("reward_mean", "kl_k3", "entropy", "response_length")
 ESTIMATOR_ORDER = {"k1": 0, "k2": 1, "k3": 2}
 PLACEMENT_ORDER = {"reward": 0, "loss": 1, "reward+loss": 2}
 NO_BETA = "-"
+OBJECTIVE_COLUMNS = ("objective_gap", "kl_to_ref", "reward")  # after the tasks, in this order
+LOWER_IS_BETTER, UNRANKED = {"objective_gap"}, {"kl_to_ref"}
+COMPARED_TO = "k1-reward"  # the unbiased configuration every other one is tested against
+REFERENCE = "reference"
+SIGNIFICANCE = 0.05
 
 
 def instability(record: RunRecord, fraction: float = 0.5) -> list[str]:
@@ -48,7 +55,12 @@ def instability(record: RunRecord, fraction: float = 0.5) -> list[str]:
 
 @dataclass
 class Cell:
-    values: list[float] = field(default_factory=list)
+    by_seed: dict[int, float] = field(default_factory=dict)
+    p_value: float | None = None  # paired t-test against COMPARED_TO at the same beta, over common seeds
+
+    @property
+    def values(self) -> list[float]:
+        return list(self.by_seed.values())
 
     @property
     def mean(self) -> float:
@@ -57,6 +69,10 @@ class Cell:
     @property
     def std(self) -> float:
         return statistics.stdev(self.values) if len(self.values) > 1 else 0.0
+
+    @property
+    def significant(self) -> bool:
+        return self.p_value is not None and self.p_value < SIGNIFICANCE
 
 
 @dataclass
@@ -69,7 +85,8 @@ class Row:
     seeds: int = 0
 
 
-def _order(record: RunRecord) -> tuple:
+def sort_key(record: RunRecord) -> tuple:
+    """Model, then beta, estimator and placement, the no-KL baseline last."""
     c = record.coords
     if c["placement"] == "none":
         return (c["model"], 1, 0.0, 0, 0)
@@ -77,51 +94,145 @@ def _order(record: RunRecord) -> tuple:
             PLACEMENT_ORDER.get(c["placement"], 9))
 
 
+def objective_cells(record: RunRecord) -> dict[str, float]:
+    """The final model's measured objective: gap at the run's beta (runs with KL), KL and reward."""
+    measured = record.measured(record.coords["beta"])
+    if measured is None:
+        return {}
+    cells = {"objective_gap": measured["gap"]} if "gap" in measured else {}
+    return {**cells, "kl_to_ref": measured["kl"], "reward": measured["reward"]}
+
+
+def reference_row(records: list[RunRecord], model: str, beta: str) -> Row | None:
+    """The reference model's own objective at `beta` (KL 0), from the reward histograms its runs
+    sampled before their first update; None when no run of the model measured them."""
+    from trainer.optimum import objective_gap, reference_value
+
+    found = next((r.objective_reference for r in records if r.coords["model"] == model and r.objective_reference),
+                 None)
+    if found is None or beta == NO_BETA:
+        return None
+    histograms = found["histograms"]
+    rewards = [reference_value(h) for h in histograms]
+    gap = objective_gap(histograms, rewards, [0.0] * len(rewards), float(beta))["gap"]
+    cells = {"objective_gap": gap, "kl_to_ref": 0.0, "reward": statistics.fmean(rewards)}
+    return Row(model, beta, REFERENCE, {name: Cell({0: value}) for name, value in cells.items()}, seeds=1)
+
+
+def paired_p_value(a: dict[int, float], b: dict[int, float]) -> float | None:
+    """Two-sided p-value of a paired t-test of a against b over their common seeds (None below 2)."""
+    from scipy import stats
+
+    seeds = sorted(a.keys() & b.keys())
+    if len(seeds) < 2:
+        return None
+    differences = [a[s] - b[s] for s in seeds]
+    mean, sd = statistics.fmean(differences), statistics.stdev(differences)
+    if sd == 0:
+        return 1.0 if mean == 0 else 0.0
+    t = mean / (sd / math.sqrt(len(seeds)))
+    return float(2 * stats.t.sf(abs(t), len(seeds) - 1))
+
+
+def _mark_significance(rows: list[Row]) -> None:
+    compared = {(r.model, r.beta): r for r in rows if r.configuration == COMPARED_TO}
+    for row in rows:
+        base = compared.get((row.model, row.beta))
+        if base is None or row is base or row.configuration == REFERENCE:
+            continue
+        for name, cell in row.cells.items():
+            if name in base.cells:
+                cell.p_value = paired_p_value(cell.by_seed, base.cells[name].by_seed)
+
+
 def table_rows(records: list[RunRecord], fraction: float = 0.5) -> tuple[list[Row], list[str]]:
-    """Rows (seeds aggregated) and the task columns, in a stable order."""
+    """Rows (seeds aggregated; each beta group led by the reference's row when the runs measured
+    their objective) and the task columns, in a stable order."""
     found = {task for r in records for task in r.scores()}
     known = [task for task in TASKS if task in found]  # in-domain, then out-of-domain, as the suites say
     tasks = known + sorted(found - set(known))
     rows: dict[tuple, Row] = {}
-    for record in sorted(records, key=_order):
+    for record in sorted(records, key=sort_key):
         c = record.coords
         beta = NO_BETA if c["beta"] is None else f"{c['beta']:g}"
+        if (c["model"], beta, REFERENCE) not in rows and (reference := reference_row(records, c["model"], beta)):
+            rows[(c["model"], beta, REFERENCE)] = reference
         key = (c["model"], beta, record.label)
         row = rows.setdefault(key, Row(c["model"], beta, record.label))
         row.seeds += 1
-        for task, value in record.scores().items():
-            row.cells.setdefault(task, Cell()).values.append(float(value))
+        for name, value in {**record.scores(), **objective_cells(record)}.items():
+            row.cells.setdefault(name, Cell()).by_seed[c["seed"]] = float(value)
         row.unstable += [f"seed {c['seed']}: {reason}" for reason in instability(record, fraction)]
+    _mark_significance(list(rows.values()))
     return list(rows.values()), tasks
 
 
-def _best(rows: list[Row], tasks: list[str]) -> set[tuple[int, str]]:
+def columns(rows: list[Row], tasks: list[str]) -> list[str]:
+    """The table's columns: the tasks, then the objective's columns that some row has."""
+    return tasks + [name for name in OBJECTIVE_COLUMNS if any(name in r.cells for r in rows)]
+
+
+def _best(rows: list[Row], names: list[str]) -> set[tuple[int, str]]:
+    """(row, column) of the best mean: per model for tasks, per model and beta for the objective
+    (a gap is relative to its beta); the lowest gap, no KL, and never the reference's row."""
     best = set()
-    for model in {r.model for r in rows}:
-        for task in tasks:
-            candidates = [(i, r.cells[task].mean) for i, r in enumerate(rows) if r.model == model and task in r.cells]
-            if candidates:
-                top = max(v for _, v in candidates)
-                best |= {(i, task) for i, v in candidates if v == top}
+    for name in names:
+        if name in UNRANKED:
+            continue
+        groups: dict[tuple, list[tuple[int, float]]] = {}
+        for i, r in enumerate(rows):
+            if name in r.cells and r.configuration != REFERENCE:
+                group = (r.model, r.beta) if name in OBJECTIVE_COLUMNS else (r.model,)
+                groups.setdefault(group, []).append((i, r.cells[name].mean))
+        for candidates in groups.values():
+            if len(candidates) < 2:  # nothing to compare with (the no-KL baseline's own beta group)
+                continue
+            pick = min if name in LOWER_IS_BETTER else max
+            top = pick(v for _, v in candidates)
+            best |= {(i, name) for i, v in candidates if v == top}
     return best
 
 
-def _cell_text(row: Row, task: str) -> str:
-    cell = row.cells.get(task)
-    return "" if cell is None else f"{cell.mean:.3f} ± {cell.std:.3f}"
+def _cell_text(row: Row, name: str, plus_minus: str = "±", star: str = "*") -> str:
+    cell = row.cells.get(name)
+    if cell is None:
+        return ""
+    if row.configuration == REFERENCE:
+        return f"{cell.mean:.3f}"
+    return f"{cell.mean:.3f} {plus_minus} {cell.std:.3f}" + (star if cell.significant else "")
+
+
+def _seeds_note(rows: list[Row]) -> str:
+    seeds = sorted({r.seeds for r in rows if r.configuration not in (REFERENCE,)})
+    return "/".join(str(s) for s in seeds) or "0"
+
+
+def table_note(rows: list[Row], names: list[str]) -> str:
+    """What the cells mean, and how significance was decided."""
+    text = "Cells: mean ± std over seeds; bold: best mean of the column (per model; the objective per beta)."
+    if any(name in OBJECTIVE_COLUMNS for name in names):
+        text += (" Tasks: pass@1. On the held-out prompts of the runs' `measure` config: objective_gap = J* - J(pi) "
+                 "= beta KL(pi || pi*) at the row's beta (lower is better), kl_to_ref = KL(pi || pi_ref) of whole "
+                 "completions, reward = mean reward; `reference` is the reference model itself.")
+    if any(c.p_value is not None for r in rows for c in r.cells.values()):
+        text += (f" *: differs from {COMPARED_TO} at the same beta, paired t-test over seeds "
+                 f"({_seeds_note(rows)} per configuration), two-sided p < {SIGNIFICANCE:g}; not corrected for "
+                 "multiple comparisons.")
+    return text + "\n"
 
 
 def markdown_table(rows: list[Row], tasks: list[str]) -> str:
-    best = _best(rows, tasks)
-    lines = ["| model | beta | configuration | seeds | " + " | ".join(tasks) + " |",
-             "|---|---|---|---:|" + "---:|" * len(tasks)]
+    names = columns(rows, tasks)
+    best = _best(rows, names)
+    lines = ["| model | beta | configuration | seeds | " + " | ".join(names) + " |",
+             "|---|---|---|---:|" + "---:|" * len(names)]
     notes = []
     for i, row in enumerate(rows):
         label = row.configuration + (" †" if row.unstable else "")
-        cells = [f"**{_cell_text(row, t)}**" if (i, t) in best else _cell_text(row, t) for t in tasks]
+        cells = [f"**{_cell_text(row, n)}**" if (i, n) in best else _cell_text(row, n) for n in names]
         lines.append(f"| {row.model} | {row.beta} | {label} | {row.seeds} | " + " | ".join(cells) + " |")
         notes += [f"- {row.model}, beta {row.beta}, {row.configuration}: {reason}" for reason in row.unstable]
-    text = "\n".join(lines) + "\n\nCells: pass@1, mean ± std over seeds; bold: best mean of the column for the model.\n"
+    text = "\n".join(lines) + "\n\n" + table_note(rows, names)
     if notes:
         text += "\n† unstable:\n" + "\n".join(notes) + "\n"
     return text
@@ -132,19 +243,19 @@ def _latex(text: str) -> str:
 
 
 def latex_table(rows: list[Row], tasks: list[str]) -> str:
-    best = _best(rows, tasks)
-    lines = ["\\begin{tabular}{lll" + "c" * len(tasks) + "}", "\\toprule",
-             "Model & $\\beta$ & Configuration & " + " & ".join(_latex(t) for t in tasks) + " \\\\", "\\midrule"]
+    names = columns(rows, tasks)
+    best = _best(rows, names)
+    lines = ["\\begin{tabular}{lll" + "c" * len(names) + "}", "\\toprule",
+             "Model & $\\beta$ & Configuration & " + " & ".join(_latex(n) for n in names) + " \\\\", "\\midrule"]
     previous = None
     for i, row in enumerate(rows):
         if previous is not None and (row.model, row.beta) != previous:
             lines.append("\\midrule")
         previous = (row.model, row.beta)
         cells = []
-        for t in tasks:
-            cell = row.cells.get(t)
-            text = "" if cell is None else f"{cell.mean:.3f} $\\pm$ {cell.std:.3f}"
-            cells.append(f"\\textbf{{{text}}}" if (i, t) in best else text)
+        for name in names:
+            text = _cell_text(row, name, "$\\pm$", "$^*$")
+            cells.append(f"\\textbf{{{text}}}" if (i, name) in best else text)
         label = _latex(row.configuration) + ("$^\\dagger$" if row.unstable else "")
         lines.append(f"{_latex(row.model)} & {row.beta} & {label} & " + " & ".join(cells) + " \\\\")
     lines += ["\\bottomrule", "\\end{tabular}"]
@@ -152,15 +263,19 @@ def latex_table(rows: list[Row], tasks: list[str]) -> str:
 
 
 def write_csv(rows: list[Row], tasks: list[str], path: Path) -> None:
+    """One line per row and column: tasks (pass@1), then objective_gap, kl_to_ref and reward;
+    p_vs_k1_reward is the paired t-test's p-value (empty where there is no test)."""
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["model", "beta", "configuration", "task", "mean", "std", "seeds", "unstable"])
+        writer.writerow(["model", "beta", "configuration", "task", "mean", "std", "seeds", "p_vs_k1_reward",
+                         "unstable"])
         for row in rows:
-            for task in tasks:
-                if task in row.cells:
-                    cell = row.cells[task]
-                    writer.writerow([row.model, row.beta, row.configuration, task, f"{cell.mean:.6f}",
-                                     f"{cell.std:.6f}", len(cell.values), "; ".join(row.unstable)])
+            for name in columns(rows, tasks):
+                if name in row.cells:
+                    cell = row.cells[name]
+                    p = "" if cell.p_value is None else f"{cell.p_value:.4g}"
+                    writer.writerow([row.model, row.beta, row.configuration, name, f"{cell.mean:.6f}",
+                                     f"{cell.std:.6f}", len(cell.values), p, "; ".join(row.unstable)])
 
 
 def audit_tables(audit_csv: Path, out: Path) -> list[Path]:
@@ -183,142 +298,6 @@ def audit_tables(audit_csv: Path, out: Path) -> list[Path]:
     return paths
 
 
-# --- figures ------------------------------------------------------------------------------------
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _finish(fig, title: str, path: Path) -> Path:
-    """Title, lay out, save and close a figure."""
-    plt = _pyplot()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def run_curves_figure(record: RunRecord, path: Path) -> Path:
-    """One run's reward, KL, entropy and length over steps (logged with its MLflow run)."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3), dpi=100)
-    steps = [m["step"] for m in record.metrics]
-    for ax, key in zip(axes, CURVES, strict=True):
-        ax.plot(steps, [m.get(key, float("nan")) for m in record.metrics])
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    return _finish(fig, record.run_id, path)
-
-
-def curves_figures(records: list[RunRecord], out: Path) -> list[Path]:
-    """Per model and beta: every configuration's curves (mean over seeds, min-max shaded)."""
-    plt = _pyplot()
-    groups: dict[tuple[str, str], list[RunRecord]] = {}
-    for record in records:
-        c = record.coords
-        if c["placement"] != "none":
-            groups.setdefault((c["model"], f"{c['beta']:g}"), []).append(record)
-    baselines = [r for r in records if r.coords["placement"] == "none"]
-    paths = []
-    for (model, beta), members in sorted(groups.items()):
-        members = members + [r for r in baselines if r.coords["model"] == model]
-        fig, axes = plt.subplots(1, len(CURVES), figsize=(4.5 * len(CURVES), 3.6), dpi=110)
-        by_label: dict[str, list[RunRecord]] = {}
-        for record in sorted(members, key=_order):
-            by_label.setdefault(record.label, []).append(record)
-        for ax, key in zip(axes, CURVES, strict=True):
-            for label, runs in by_label.items():
-                length = min(len(r.metrics) for r in runs)
-                if length == 0:
-                    continue
-                series = [[float(r.metrics[i].get(key, float("nan"))) for r in runs] for i in range(length)]
-                mean = [statistics.fmean(s) for s in series]
-                ax.plot(range(length), mean, label=label, linestyle=":" if label == "no KL" else "-")
-                if len(runs) > 1:
-                    ax.fill_between(range(length), [min(s) for s in series], [max(s) for s in series], alpha=0.2)
-            ax.set_title(key)
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7)
-        paths.append(_finish(fig, f"{model}, beta = {beta} (mean over seeds, min-max shaded)",
-                             out / f"curves_{model}_beta{beta}.png"))
-    return paths
-
-
-def accuracy_vs_beta_figures(rows: list[Row], tasks: list[str], out: Path) -> list[Path]:
-    """Per model: pass@1 against beta for every configuration, the no-KL baseline dashed."""
-    plt = _pyplot()
-    paths = []
-    for model in sorted({r.model for r in rows}):
-        mine = [r for r in rows if r.model == model]
-        if not tasks or not any(r.beta != NO_BETA for r in mine):
-            continue
-        fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), dpi=110, squeeze=False)
-        for ax, task in zip(axes[0], tasks, strict=True):
-            for label in dict.fromkeys(r.configuration for r in mine if r.beta != NO_BETA):
-                points = sorted((float(r.beta), r.cells[task]) for r in mine
-                                if r.configuration == label and r.beta != NO_BETA and task in r.cells)
-                if points:
-                    ax.errorbar([b for b, _ in points], [c.mean for _, c in points],
-                                yerr=[c.std for _, c in points], marker="o", capsize=3, label=label)
-            for r in mine:
-                if r.beta == NO_BETA and task in r.cells:
-                    ax.axhline(r.cells[task].mean, linestyle="--", color="gray", label="no KL")
-            ax.set_xscale("log")
-            ax.set_xlabel("beta")
-            ax.set_title(f"{task} pass@1")
-            ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        paths.append(_finish(fig, f"{model}: accuracy against beta", out / f"accuracy_vs_beta_{model}.png"))
-    return paths
-
-
-def _accuracy_by_step(record: RunRecord, task: str) -> dict[int, float]:
-    """pass@1 of `task` at every evaluated step of a run (kept checkpoints, then the final model)."""
-    points = {step: suites[suite]["tasks"][task]["value"] for step, suites in record.checkpoint_evals.items()
-              for suite in suites if task in suites[suite].get("tasks", {})}
-    points.update({len(record.metrics): value for name, value in record.scores().items() if name == task})
-    return points
-
-
-def accuracy_over_training_figures(records: list[RunRecord], tasks: list[str], out: Path) -> list[Path]:
-    """Per model and beta, when checkpoints were evaluated (evaluate.every): pass@1 against the training
-    step for every configuration (mean over seeds), the no-KL baseline dotted."""
-    plt = _pyplot()
-    groups: dict[tuple[str, str], list[RunRecord]] = {}
-    for record in records:
-        if record.checkpoint_evals:
-            c = record.coords
-            groups.setdefault((c["model"], "-" if c["beta"] is None else f"{c['beta']:g}"), []).append(record)
-    paths = []
-    for (model, beta), members in sorted(groups.items()):
-        if beta == "-":
-            continue
-        members = members + groups.get((model, "-"), [])
-        fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), dpi=110, squeeze=False)
-        for ax, task in zip(axes[0], tasks, strict=True):
-            by_label: dict[str, list[dict[int, float]]] = {}
-            for record in sorted(members, key=_order):
-                by_label.setdefault(record.label, []).append(_accuracy_by_step(record, task))
-            for label, runs in by_label.items():
-                steps = sorted(set.intersection(*(set(r) for r in runs)))
-                ax.plot(steps, [statistics.fmean(r[s] for r in runs) for s in steps], marker="o", label=label,
-                        linestyle=":" if label == "no KL" else "-")
-            ax.set_title(f"{task} pass@1")
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        paths.append(_finish(fig, f"{model}, beta = {beta}: accuracy over training (mean over seeds)",
-                             out / f"accuracy_vs_step_{model}_beta{beta}.png"))
-    return paths
-
-
 def report(results: Path, study: str | None = None, uri: str | None = None,
            collapse_fraction: float = 0.5) -> dict[str, Any]:
     """Write results/tables and results/figures; log them to the study's parent run if `study`."""
@@ -333,9 +312,12 @@ def report(results: Path, study: str | None = None, uri: str | None = None,
     write_csv(rows, tasks, tables / "results.csv")
     written = [tables / "results.md", tables / "results.tex", tables / "results.csv"]
     written += audit_tables(results / "audit" / "gradient_audit.csv", tables)
-    written += curves_figures(records, figures)
-    written += accuracy_vs_beta_figures(rows, tasks, figures)
-    written += accuracy_over_training_figures(records, tasks, figures)
+    from sweep import figures as draw  # matplotlib only here
+
+    written += draw.curves_figures(records, figures)
+    written += draw.accuracy_vs_beta_figures([r for r in rows if r.configuration != REFERENCE], tasks, figures)
+    written += draw.accuracy_over_training_figures(records, tasks, figures)
+    written += draw.reward_vs_kl_figures(records, figures)
     if study is not None:
         from sweep.tracking import default_uri, open_study, sync_lock
 

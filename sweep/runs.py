@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from trainer.run_files import COMPLETE, CONFIG, METRICS, read_metrics
+from trainer.run_files import COMPLETE, CONFIG, METRICS, OBJECTIVE, OBJECTIVE_REFERENCE, read_metrics
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class RunRecord:
     metrics: list[dict[str, Any]]
     evals: dict[str, dict[str, Any]] = field(default_factory=dict)  # suite -> eval metrics.json
     checkpoint_evals: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)  # step -> suite -> ...
+    objective: list[dict[str, Any]] = field(default_factory=list)  # objective.jsonl: the measured objective
+    objective_reference: dict[str, Any] | None = None  # objective_reference.json: the reference's rewards
 
     @property
     def eval_root(self) -> Path:
@@ -70,6 +72,20 @@ class RunRecord:
         c = self.coords
         return "no KL" if c["placement"] == "none" else f"{c['estimator']}-{c['placement']}"
 
+    def measured(self, beta: float | None) -> dict[str, float] | None:
+        """The final model's measured objective: reward and KL to the reference, and at `beta` (any
+        beta, not only the run's own) the objective, its optimum and the gap, each with its standard
+        error; None when the run measured nothing at its last step."""
+        if not self.objective or self.objective[-1]["step"] != len(self.metrics) or self.objective_reference is None:
+            return None
+        from trainer.optimum import mean_se, objective_gap
+
+        per_prompt = self.objective[-1]["per_prompt"]
+        if beta is None:
+            return {name: value for key in ("reward", "kl") for name, value in
+                    zip((key, f"{key}_se"), mean_se(per_prompt[key]), strict=True)}
+        return objective_gap(self.objective_reference["histograms"], per_prompt["reward"], per_prompt["kl"], beta)
+
     def scores(self) -> dict[str, float]:
         """Eval pass@1 per task (over all suites)."""
         return {task: row["value"] for suite in self.evals.values() for task, row in suite.get("tasks", {}).items()}
@@ -104,7 +120,9 @@ def load_runs(results: Path) -> list[RunRecord]:
         if not config_file.is_file():
             continue
         record = RunRecord(path.name, path, yaml.safe_load(config_file.read_text()) or {},
-                           read_metrics(path / METRICS))
+                           read_metrics(path / METRICS), objective=read_metrics(path / OBJECTIVE))
+        if (path / OBJECTIVE_REFERENCE).is_file():
+            record.objective_reference = json.loads((path / OBJECTIVE_REFERENCE).read_text())
         record.evals = _suites(record.eval_root)
         for directory in sorted(record.eval_root.glob("step_*")):
             if directory.name[5:].isdigit() and (suites := _suites(directory)):

@@ -212,6 +212,19 @@ def _log_steps(client, run_id: str, record: RunRecord, report: SyncReport) -> No
     report.steps_logged += len(pending)
 
 
+def _log_objective(client, run_id: str, record: RunRecord) -> None:
+    """The measured objective (objective.jsonl) as metrics objective/<key> at the measured steps."""
+    from mlflow.entities import Metric
+
+    synced = {m.step for m in client.get_metric_history(run_id, "objective/kl")}
+    now = int(time.time() * 1000)
+    for line in record.objective:
+        if line["step"] not in synced:
+            client.log_batch(run_id, metrics=[Metric(f"objective/{k}", float(v), now, int(line["step"]))
+                                              for k, v in line.items() if k != "step" and isinstance(v, (int, float))
+                                              and math.isfinite(float(v))])
+
+
 def _digest(scores: dict) -> str:
     """Of the scores as read and logged (not of the file now, which an evaluation may have rewritten)."""
     return hashlib.sha256(json.dumps(scores, sort_keys=True).encode()).hexdigest()[:16]
@@ -246,7 +259,7 @@ def _log_evals(client, run_id: str, run_tags: dict[str, str], record: RunRecord,
 def _log_curves(client, run_id: str, record: RunRecord, report: SyncReport, new_steps: bool) -> None:
     if not new_steps or not record.metrics:
         return
-    from sweep.report import run_curves_figure  # matplotlib only when there is something to draw
+    from sweep.figures import run_curves_figure  # matplotlib only when there is something to draw
 
     with tempfile.TemporaryDirectory() as tmp:
         path = run_curves_figure(record, Path(tmp) / "curves.png")
@@ -269,6 +282,7 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
             run = client.get_run(run_id)
             _log_steps(client, run_id, record, report)
             _log_evals(client, run_id, run.data.tags, record, report)
+            _log_objective(client, run_id, record)
             _log_curves(client, run_id, record, report, report.steps_logged > before)
             if record.complete and run.info.status != "FINISHED":
                 client.set_terminated(run_id, "FINISHED")

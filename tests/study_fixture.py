@@ -5,10 +5,14 @@ from pathlib import Path
 
 import yaml
 
+REFERENCE_HISTOGRAMS = [[[0.0, 1], [1.0, 1]], [[0.0, 3], [1.0, 1]]]  # two prompts: pass rates 0.5 and 0.25
+
 
 def write_run(results: Path, run_id: str, estimator: str, placement: str, beta: float, seed: int,
               rewards: list[float], scores: dict[str, float], model: str = "toy", complete: bool = True,
-              skipped: int = 0) -> Path:
+              skipped: int = 0, measured: tuple[list[float], list[float]] | None = None) -> Path:
+    """A run with `rewards` per step and eval `scores`; with `measured` (per-prompt reward and KL of the
+    final model), also its objective.jsonl and the reference's histograms of REFERENCE_HISTOGRAMS."""
     run = results / "runs" / run_id
     run.mkdir(parents=True, exist_ok=True)
     config = {"model": {"path": f"/models/{model}"}, "objective": {"estimator": estimator, "placement": placement,
@@ -20,6 +24,10 @@ def write_run(results: Path, run_id: str, estimator: str, placement: str, beta: 
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     if complete:
         (run / "COMPLETE").write_text("{}\n")
+    if measured is not None:
+        line = {"step": len(rewards), "per_prompt": {"reward": measured[0], "kl": measured[1]}}
+        (run / "objective.jsonl").write_text(json.dumps(line) + "\n")
+        (run / "objective_reference.json").write_text(json.dumps({"histograms": REFERENCE_HISTOGRAMS}))
     suite = results / "eval" / run_id / "all"
     suite.mkdir(parents=True, exist_ok=True)
     tasks = {t: {"metric": "pass@1", "value": v, "stderr": 0.01, "n": 100} for t, v in scores.items()}

@@ -34,6 +34,8 @@ def test_sync_into_sqlite_logs_everything_once(tmp_path, monkeypatch):
     checkpoint_eval = results / "eval" / "toy__k1-reward__b0.05__s1" / "step_2" / "all"  # evaluate.every
     checkpoint_eval.mkdir(parents=True)
     (checkpoint_eval / "metrics.json").write_text(json.dumps({"tasks": {"math500": {"value": 0.6, "stderr": 0.01}}}))
+    objective = {"step": 4, "kl": 0.1, "gap": 0.2, "reward": 0.5, "per_prompt": {"kl": [0.1], "reward": [0.5]}}
+    (results / "runs" / "toy__k1-reward__b0.05__s1" / "objective.jsonl").write_text(json.dumps(objective) + "\n")
     monkeypatch.chdir(tmp_path)
     first = sync(results, "fixture")
     assert not (tmp_path / "mlruns").exists()  # artifacts stay with the study, not in the working directory
@@ -56,8 +58,13 @@ def test_sync_into_sqlite_logs_everything_once(tmp_path, monkeypatch):
     artifacts = {a.path for a in client(uri).list_artifacts(run.info.run_id)}
     assert {"config.yaml", "curves.png", "eval"} <= artifacts
 
+    measured = {m.key: (m.step, m.value) for m in client(uri).get_metric_history(run.info.run_id, "objective/gap")
+                + client(uri).get_metric_history(run.info.run_id, "objective/kl")}
+    assert measured == {"objective/gap": (4, 0.2), "objective/kl": (4, 0.1)}  # the measured objective
+
     again = sync(results, "fixture")  # idempotent: nothing new, nothing duplicated
     assert (again.runs_created, again.steps_logged, again.evals_logged) == (0, 0, 0)
+    assert len(client(uri).get_metric_history(run.info.run_id, "objective/gap")) == 1
     assert len(client(uri).get_metric_history(run.info.run_id, "reward_mean")) == 4
     assert len(child_runs(uri, "fixture")[0]) == 5
 
