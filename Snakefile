@@ -98,6 +98,12 @@ def rule_threads(rule, per_model=False):
     return _resource(rule, "cpus", per_model)
 
 
+def model_resources(rule, model):
+    """A rule's resources for a job of one model's grid points (a bundled job: no wildcards)."""
+    values = STUDY.resources_for(rule, model)
+    return {("gpu" if key == "gpus" else key): value for key, value in sorted(values.items()) if key != "cpus"}
+
+
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"

@@ -29,11 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     suites = "; ".join(f"{name}: {' '.join(tasks)}" for name, tasks in SUITES.items())
     p = sub.add_parser("run", help="evaluate a model on suites or tasks",
                        description=f"Suites ({suites}). Tasks: {', '.join(TASKS)}.")
-    p.add_argument("--model", required=True, help="HF model directory (or hub id)")
+    p.add_argument("--model", required=True, action="append",
+                   help="HF model directory (or hub id); repeat it, each with its own --out (and --seed), to "
+                        "evaluate several models one after another in one process")
     p.add_argument("--suite", nargs="+", required=True, metavar="SUITE_OR_TASK", help="suites and/or task names")
     p.add_argument("--backend", default="hf", help="hf | vllm (default hf)")
     p.add_argument("--samples", type=int, default=1, help="samples per problem: pass@1 is their mean (default 1)")
-    p.add_argument("--out", type=Path, required=True, help="directory for metrics.json and samples.jsonl")
+    p.add_argument("--out", type=Path, required=True, action="append",
+                   help="directory for metrics.json and samples.jsonl (one per --model)")
     p.add_argument("--limit", type=int, help="first N problems of each task")
     p.add_argument("--data", action="append", default=[], metavar="TASK=PATH",
                    help="data of a task: .jsonl/.json/.parquet file or hub data set[:subset] (repeatable)")
@@ -45,27 +48,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8, help="(default 8)")
     p.add_argument("--dtype", default="float32", help="(default float32)")
     p.add_argument("--device", default="cpu", help="(default cpu)")
-    p.add_argument("--seed", type=int, default=0, help="(default 0)")
+    p.add_argument("--seed", type=int, action="append", help="(default 0; one for all models, or one per --model)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from eval.harness import EvalSettings, evaluate
     from eval.suites import expand
 
-    try:
-        settings = EvalSettings(
-            model=args.model, tasks=tuple(expand(args.suite)), backend=args.backend, samples=args.samples,
-            greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, max_gen_toks=args.max_gen_toks,
-            chat_template=args.chat_template, limit=args.limit, batch_size=args.batch_size, dtype=args.dtype,
-            device=args.device, seed=args.seed, data=_data(args.data))
-        metrics = evaluate(settings, args.out)
-    except ValueError as error:  # bad options, model or data: one line, no traceback
-        log.error("%s", error)
+    seeds = args.seed or [0]
+    if len(args.out) != len(args.model) or len(seeds) not in (1, len(args.model)):
+        log.error("--model, --out and --seed: one --out per --model, and one --seed or one per --model "
+                  "(got %d, %d and %d)", len(args.model), len(args.out), len(seeds))
         return 2
-    for task, row in metrics["tasks"].items():
-        extra = f"  pass@{row['pass@k']['k']} {row['pass@k']['value']:.3f}" if "pass@k" in row else ""
-        stderr = f" ± {row['stderr']:.3f}" if row["stderr"] is not None else ""
-        print(f"{task:24s} pass@1 {row['value']:.3f}{stderr}  (n={row['n']}){extra}")
-    print(json.dumps({"out": str(args.out)}))
+    for model, out, seed in zip(args.model, args.out, seeds * len(args.model) if len(seeds) == 1 else seeds,
+                                strict=True):
+        try:
+            settings = EvalSettings(
+                model=model, tasks=tuple(expand(args.suite)), backend=args.backend, samples=args.samples,
+                greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, max_gen_toks=args.max_gen_toks,
+                chat_template=args.chat_template, limit=args.limit, batch_size=args.batch_size, dtype=args.dtype,
+                device=args.device, seed=seed, data=_data(args.data))
+            metrics = evaluate(settings, out)
+        except ValueError as error:  # bad options, model or data: one line, no traceback
+            log.error("%s", error)
+            return 2
+        for task, row in metrics["tasks"].items():
+            extra = f"  pass@{row['pass@k']['k']} {row['pass@k']['value']:.3f}" if "pass@k" in row else ""
+            stderr = f" ± {row['stderr']:.3f}" if row["stderr"] is not None else ""
+            print(f"{task:24s} pass@1 {row['value']:.3f}{stderr}  (n={row['n']}){extra}")
+        print(json.dumps({"out": str(out)}))
     return 0
 
 

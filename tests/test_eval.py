@@ -124,6 +124,23 @@ def test_greedy_and_chat_template_options(warm_model, tmp_path):
     assert "do_sample: false" in (out / "tasks" / "arith.yaml").read_text()
 
 
+def test_several_models_in_one_process_score_as_they_would_alone(warm_model, tmp_path):
+    """What a study's bundled evaluation job does: each --model with its own --out and --seed."""
+    common = ["--suite", "arith", "--samples", "2", "--limit", "6", "--data", f"arith={DATA / 'arith.jsonl'}"]
+    both = eval_cli("--model", str(warm_model), "--out", str(tmp_path / "a"), "--seed", "3",
+                    "--model", str(warm_model), "--out", str(tmp_path / "b"), "--seed", "4", *common)
+    alone = eval_cli("--model", str(warm_model), "--out", str(tmp_path / "b-alone"), "--seed", "4", *common)
+    assert both.returncode == 0 and alone.returncode == 0, both.stderr + alone.stderr
+
+    def responses(name):
+        return [json.loads(line)["responses"] for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
+
+    assert responses("b") == responses("b-alone") and responses("a") != responses("b")  # its own seed, nothing shared
+    mismatched = eval_cli("--model", str(warm_model), "--model", str(warm_model), "--out", str(tmp_path / "c"),
+                          *common)
+    assert mismatched.returncode == 2 and "one --out per --model" in mismatched.stderr
+
+
 @pytest.mark.parametrize("content,message", [
     ("", "has no records"),
     ('{"question": "1+1=", "answer": "2"}\n{broken\n', "line 2 is not valid JSON"),

@@ -3,6 +3,7 @@ resumed; bad study configs stopped before any job; the paper study's DAG."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -78,12 +79,12 @@ def test_grid_deduplicates_the_baseline_and_names_runs_stably():
     config_without_steps = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
     study = load_study(yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text()))
     ids = [r.run_id for r in study.runs]
-    assert len(ids) == 9 * 2 * 2 + 2 and len(set(ids)) == len(ids)  # one baseline per seed, not per beta
-    assert "toy-sft__k3-reward+loss__b0.05__s1" in ids and "toy-sft__none__s0" in ids
+    assert len(ids) == 9 * 2 * 3 + 3 and len(set(ids)) == len(ids)  # one baseline per seed, not per beta
+    assert "toy-sft__k3-reward+loss__b0.1__s1" in ids and "toy-sft__none__s0" in ids
     none = study.run("toy-sft__none__s0")
     assert none.config["objective"] == {"advantage": "rloo", "placement": "none"}
-    k3 = study.run("toy-sft__k3-loss__b0.5__s1")
-    assert k3.config["objective"] == {"advantage": "rloo", "placement": "loss", "estimator": "k3", "beta": 0.5}
+    k3 = study.run("toy-sft__k3-loss__b1__s1")
+    assert k3.config["objective"] == {"advantage": "rloo", "placement": "loss", "estimator": "k3", "beta": 1.0}
     assert k3.config["train"]["seed"] == 1 and k3.config["model"] == {"path": "results/models/toy-sft",
                                                                        "name": "toy-sft"}
     assert run_id("m", "k1", "reward", 1.0, 0) == "m__k1-reward__b1__s0"  # 1.0 and 1 name the same run
@@ -94,12 +95,30 @@ def test_grid_deduplicates_the_baseline_and_names_runs_stably():
 
 def test_grid_include_and_exclude():
     config = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
-    config["grid"].update(exclude=[{"placement": "reward+loss"}, {"estimator": "k2", "beta": 0.5}],
-                          include=[{"estimator": "k2", "placement": "reward", "beta": [0.5, 2], "seed": 7}])
+    config["grid"].update(exclude=[{"placement": "reward+loss"}, {"estimator": "k2", "beta": 1.0}],
+                          include=[{"estimator": "k2", "placement": "reward", "beta": [1.0, 2], "seed": 7}])
     ids = [r.run_id for r in load_study(config).runs]
     assert not any("reward+loss" in i for i in ids)
-    assert "toy-sft__k2-loss__b0.5__s0" not in ids and "toy-sft__k2-loss__b0.05__s0" in ids
-    assert "toy-sft__k2-reward__b2__s7" in ids and "toy-sft__k2-reward__b0.5__s7" not in ids  # excluded again
+    assert "toy-sft__k2-loss__b1__s0" not in ids and "toy-sft__k2-loss__b0.1__s0" in ids
+    assert "toy-sft__k2-reward__b2__s7" in ids and "toy-sft__k2-reward__b1__s7" not in ids  # excluded again
+
+
+def test_bundles_chunk_the_grid_in_order_and_never_mix_models():
+    config = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
+    config["models"]["other"] = {"path": "some/model"}
+    study = load_study({**config, "bundle": {"train": 8, "evaluate": 1}})
+    ids = [r.run_id for r in study.runs]
+    jobs = study.bundles("train", ids)
+    assert sorted(run for job in jobs for run in job) == sorted(ids)  # every run once
+    assert [run for job in jobs[:8] for run in job] == [i for i in ids if i.startswith("toy-sft")]  # in grid order
+    assert all(len({study.run(r).model for r in job}) == 1 for job in jobs)
+    assert [len(job) for job in jobs] == [8] * 7 + [1] + [8] * 7 + [1]  # 57 runs per model
+    evaluations = [(run, None) for run in ids]
+    assert sorted(study.bundles("evaluate", evaluations, model_of=lambda e: e[0])) == sorted([e] for e in evaluations)
+    with pytest.raises(StudyError, match="bundle.train: must be >= 1"):
+        load_study({**config, "bundle": {"train": 0}})
+    with pytest.raises(StudyError, match="bundle.report: unknown"):
+        load_study({**config, "bundle": {"report": 2}})
 
 
 @pytest.mark.parametrize("change, key", [
@@ -219,4 +238,33 @@ def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop):
     # Finished is finished: nothing to do, even after the package's code and docs change.
     os.utime(REPO / "trainer" / "loop.py")
     again = snakemake(tmp_path, config, "-n")
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
+
+
+@pytest.mark.slow
+def test_reduced_toy_study_in_bundles_with_the_measured_objective(tmp_path):
+    """Two runs per training job and three evaluations per evaluation job: fewer processes, the same
+    files; every run measures its objective, and the report has the gap, the reference and the figure."""
+    config = json.loads(json.dumps(REDUCED))
+    config["bundle"] = {"train": 2, "evaluate": 3}
+    config["run"]["measure"] = {"prompts": 8, "samples": 4, "reference_samples": 8, "task_options": {"seed": 1}}
+    path = write_config(tmp_path, config)
+    done = snakemake(tmp_path, path)
+    assert done.returncode == 0, done.stderr[-5000:]
+    started = re.findall(r"^(?:local)?rule (\w+):", done.stderr, re.M)
+    assert sorted(r for r in started if r.startswith("train")) == ["train_0", "train_1"]  # 4 runs, 2 per job
+    assert sorted(r for r in started if r.startswith("evaluate")) == [f"evaluate_toy_{i}" for i in range(3)]  # 8 / 3
+    results = tmp_path / "results"
+    for name in REDUCED_RUNS:
+        assert [m["step"] for m in read_metrics(results / "runs" / name / "metrics.jsonl")] == list(range(6))
+        assert [m["step"] for m in read_metrics(results / "runs" / name / "objective.jsonl")] == [6]
+        for where in ("toy", "step_3/toy"):
+            scores = json.loads((results / "eval" / name / where / "metrics.json").read_text())
+            assert scores["tasks"]["arith"]["n"] == 20
+    table = (results / "tables" / "results.md").read_text()
+    assert "| toy-sft | 0.1 | reference | 1 |" in table and "objective_gap = J* - J(pi)" in table
+    rows = list(csv.DictReader((results / "tables" / "results.csv").open()))
+    assert {r["task"] for r in rows} == {"arith", "objective_gap", "kl_to_ref", "reward"}
+    assert (results / "figures" / "reward_vs_kl_toy-sft.png").stat().st_size > 20_000
+    again = snakemake(tmp_path, path, "-n")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
