@@ -413,8 +413,10 @@ def load_study(data: dict[str, Any]) -> Study:
         path = str(Path(results) / "models" / model.name) if model.build is not None else model.path
         config = _run_config(shared, model, path, point)
         every = evaluate["every"]
-        if every:  # the checkpoints to evaluate must outlive checkpoint.keep
+        if every:  # the checkpoints to evaluate must outlive checkpoint.keep, and get their objective measured
             config = _merge(config, {"checkpoint": {"keep_every": every}})
+            if config.get("measure", {}).get("prompts") and not config["measure"].get("every"):
+                config = _merge(config, {"measure": {"every": every}})
         # Runs that differ only in their grid coordinates (checked above) validate alike: check one each.
         shape = json.dumps({**config, "objective": {**config["objective"], "estimator": None, "beta": None},
                             "train": {**config["train"], "seed": None}}, sort_keys=True, default=str)

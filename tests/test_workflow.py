@@ -91,6 +91,7 @@ def test_grid_deduplicates_the_baseline_and_names_runs_stably():
     del config_without_steps["run"]["train"]["steps"]
     study = load_study({**config_without_steps, "evaluate": {**config_without_steps["evaluate"], "every": 10}})
     assert study.eval_steps("toy-sft__none__s0") == [10]  # train.steps defaults to 20
+    assert study.run("toy-sft__none__s0").config["measure"]["every"] == 10  # evaluated checkpoints are measured
 
 
 def test_grid_include_and_exclude():
