@@ -261,8 +261,8 @@ def _run_train_runs(args: argparse.Namespace) -> int:
         except run_config.ConfigError as error:
             raise run_config.ConfigError(f"--plan {out}: {error}") from None
     failed = []
-    for out, config in configs.items():
-        log.info("run %d of %d: %s", list(configs).index(out) + 1, len(configs), out)
+    for number, (out, config) in enumerate(configs.items(), start=1):
+        log.info("run %d of %d: %s", number, len(configs), out)
         try:
             if train(config, out) == EXIT_PREEMPTED:
                 return EXIT_PREEMPTED
