@@ -4,14 +4,20 @@ The Snakefile calls `load_study` before it builds the DAG, so a bad study config
 before any job starts, with a `StudyError` whose message starts with the offending key. Every run's
 trainer config is validated here too (`trainer.config` needs no torch, so this stays fast).
 
-Run ids: `<model>__<estimator>-<placement>__b<beta>__s<seed>`, and `<model>__none__s<seed>` for the
-no-KL baseline (beta means nothing without a KL term, so there is one baseline per model and seed).
+Axes: model, estimator, placement, beta and seed, and any run-config key in `grid.axes` (dotted,
+such as `train.async_level`), all multiplied. A point runs once however many values an axis has
+that it does not use: the no-KL baseline has no estimator, beta or KL loss ratio, and the KL in the
+reward has no KL loss ratio (sweep.axes).
+
+Run ids: `<model>__<estimator>-<placement>__b<beta>[__<extra>...]__s<seed>`, and
+`<model>__none[__<extra>...]__s<seed>` for the baseline. An extra axis appears (`async2`,
+`ratio-detached`) only where the run's value differs from the study's base value (its `run` config,
+else the trainer's default), so that adding an axis or a value to a study renames no run: a sweep
+started before resumes and runs only the new points.
 """
 
 from __future__ import annotations
 
-import copy
-import itertools
 import json
 import logging
 import re
@@ -19,14 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.choices import ESTIMATORS, PLACEMENTS, TASK_NAMES
+from sweep.checks import StudyError, known, listed, mapping, merge, number
+from sweep.points import Expansion, run_id
+from trainer.choices import TASK_NAMES
+
+__all__ = ["ModelSpec", "RunSpec", "Study", "StudyError", "load_study", "run_id"]
 
 log = logging.getLogger(__name__)
 
 RULES = ("prepare", "train", "evaluate", "track", "report")
 RESOURCE_KEYS = ("cpus", "mem_mb", "runtime", "gpus", "slurm_partition", "slurm_account", "slurm_qos",
                  "constraint", "nodes", "tasks")
-GRID_KEYS = ("model", "estimator", "placement", "beta", "seed")
 TOP_KEYS = ("study", "results", "models", "grid", "run", "data", "evaluate", "tracking", "resources", "bundle")
 BUNDLED = ("train", "evaluate")  # rules whose jobs may each take several grid points, in one process
 EVAL_KEYS = ("suites", "samples", "limit", "every", "batch_size", "max_gen_toks", "temperature", "top_p",
@@ -34,21 +43,22 @@ EVAL_KEYS = ("suites", "samples", "limit", "every", "batch_size", "max_gen_toks"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
-class StudyError(ValueError):
-    """A bad study config; the message starts with the offending key."""
-
-
 @dataclass(frozen=True)
 class RunSpec:
-    """One grid point: its id, coordinates and the full trainer config (nested, plain data)."""
+    """One grid point: its id, coordinates (sweep.axes: model, estimator, placement, beta, the extra
+    axes, seed; None where unused) and the full trainer config (nested, plain data)."""
 
     run_id: str
-    model: str
-    estimator: str | None
-    placement: str
-    beta: float | None
-    seed: int
+    coords: dict[str, Any]
     config: dict[str, Any]
+
+    @property
+    def model(self) -> str:
+        return self.coords["model"]
+
+    @property
+    def seed(self) -> int:
+        return self.coords["seed"]
 
     def overrides(self) -> list[str]:
         """The config as `section.key=value` arguments of `python -m trainer train` (values as JSON,
@@ -127,66 +137,22 @@ class Study:
         return merged
 
 
-def _mapping(value: Any, key: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise StudyError(f"{key}: expected a mapping, got {value!r}")
-    return value
 
 
-def _list(value: Any, key: str) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        value = [value]
-    return value
 
 
-def _known(data: dict[str, Any], allowed: tuple[str, ...], key: str) -> None:
-    unknown = sorted(set(data) - set(allowed))
-    if unknown:
-        where = f"{key}.{unknown[0]}" if key else unknown[0]
-        raise StudyError(f"{where}: unknown key (known: {', '.join(allowed)})")
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """Nested dicts merged, `extra` winning; neither input is changed."""
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
-def beta_text(beta: float) -> str:
-    return format(beta, "g")
 
 
-def run_id(model: str, estimator: str | None, placement: str, beta: float | None, seed: int) -> str:
-    if placement == "none":
-        return f"{model}__none__s{seed}"
-    return f"{model}__{estimator}-{placement}__b{beta_text(beta)}__s{seed}"
 
 
-def _number(value: Any, key: str, integer: bool = False, minimum: float | None = None) -> Any:
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, str) and not integer:  # YAML 1.1 reads 1e-4 (no dot) as a string
-        try:
-            value, ok = float(value), True
-        except ValueError:
-            pass
-    if isinstance(value, bool) or not ok:
-        raise StudyError(f"{key}: expected {'a whole number' if integer else 'a number'}, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise StudyError(f"{key}: must be >= {minimum:g}, got {value}")
-    return value
 
 
 def _models(data: dict[str, Any]) -> dict[str, ModelSpec]:
-    raw = _mapping(data.get("models"), "models")
+    raw = mapping(data.get("models"), "models")
     if not raw:
         raise StudyError("models: at least one model is required (a name with a path, or build: toy)")
     models = {}
@@ -194,127 +160,79 @@ def _models(data: dict[str, Any]) -> dict[str, ModelSpec]:
         key = f"models.{name}"
         if not isinstance(name, str) or not _NAME.match(name) or "__" in name:
             raise StudyError(f"{key}: a model name may hold letters, digits and . _ + - (not '__')")
-        entry = _mapping(entry, key)
-        _known(entry, ("path", "build", "run", "resources"), key)
+        entry = mapping(entry, key)
+        known(entry, ("path", "build", "run", "resources"), key)
         build = entry.get("build")
         if ("path" in entry) == (build is not None):
             raise StudyError(f"{key}: give exactly one of path (a local directory or hub id) and build")
         if build is not None:
-            build = _mapping(build, f"{key}.build")
-            _known(build, ("toy", "sft"), f"{key}.build")
+            build = mapping(build, f"{key}.build")
+            known(build, ("toy", "sft"), f"{key}.build")
             if "toy" not in build:
                 raise StudyError(f"{key}.build.toy: required (the tiny model's spec, {{}} for the defaults)")
-            _mapping(build["toy"], f"{key}.build.toy")
-            sft = _mapping(build.get("sft"), f"{key}.build.sft")
-            _known(sft, ("task", "options", "steps", "batch_size", "lr", "seed"), f"{key}.build.sft")
+            mapping(build["toy"], f"{key}.build.toy")
+            sft = mapping(build.get("sft"), f"{key}.build.sft")
+            known(sft, ("task", "options", "steps", "batch_size", "lr", "seed"), f"{key}.build.sft")
         elif not isinstance(entry["path"], str) or not entry["path"]:
             raise StudyError(f"{key}.path: expected a local directory or hub id, got {entry['path']!r}")
-        resources = _mapping(entry.get("resources"), f"{key}.resources")
+        resources = mapping(entry.get("resources"), f"{key}.resources")
         for rule, values in resources.items():
             if rule not in ("train", "evaluate"):
                 raise StudyError(f"{key}.resources.{rule}: only train and evaluate resources can be set per model")
             _resources(values, f"{key}.resources.{rule}")
-        models[name] = ModelSpec(name, entry.get("path", ""), build, _mapping(entry.get("run"), f"{key}.run"),
+        models[name] = ModelSpec(name, entry.get("path", ""), build, mapping(entry.get("run"), f"{key}.run"),
                                  resources)
     return models
 
 
 def _resources(values: Any, key: str) -> dict[str, Any]:
-    values = _mapping(values, key)
-    _known(values, RESOURCE_KEYS, key)
+    values = mapping(values, key)
+    known(values, RESOURCE_KEYS, key)
     for name in ("cpus", "mem_mb", "runtime", "gpus", "nodes", "tasks"):
         if name in values:
-            _number(values[name], f"{key}.{name}", integer=True, minimum=0 if name == "gpus" else 1)
+            number(values[name], f"{key}.{name}", integer=True, minimum=0 if name == "gpus" else 1)
     return values
 
 
-def _grid_points(grid: dict[str, Any], models: list[str]) -> list[tuple[str, str | None, str, float | None, int]]:
-    """(model, estimator, placement, beta, seed) of every run, deduplicated, in a stable order."""
-    _known(grid, ("estimators", "placements", "betas", "seeds", "baseline", "include", "exclude"), "grid")
-    estimators = _list(grid.get("estimators", list(ESTIMATORS)), "grid.estimators")
-    placements = _list(grid.get("placements", list(PLACEMENTS[1:])), "grid.placements")
-    betas = [_number(b, f"grid.betas[{i}]", minimum=0) for i, b in enumerate(_list(grid.get("betas"), "grid.betas"))]
-    seeds = [_number(s, f"grid.seeds[{i}]", integer=True, minimum=0)
-             for i, s in enumerate(_list(grid.get("seeds", [0]), "grid.seeds"))]
-    for i, name in enumerate(estimators):
-        if name not in ESTIMATORS:
-            raise StudyError(f"grid.estimators[{i}]: {name!r} is not one of {', '.join(ESTIMATORS)}")
-    for i, name in enumerate(placements):
-        if name not in PLACEMENTS[1:]:
-            raise StudyError(f"grid.placements[{i}]: {name!r} is not one of {', '.join(PLACEMENTS[1:])} "
-                             "(the no-KL baseline comes from grid.baseline)")
-    if placements and estimators and not betas:
-        raise StudyError("grid.betas: at least one beta is required for the KL placements")
-    if not seeds:
-        raise StudyError("grid.seeds: at least one seed is required")
-    baseline = grid.get("baseline", True)
-    if not isinstance(baseline, bool):
-        raise StudyError(f"grid.baseline: expected true or false, got {baseline!r}")
-
-    points = [(m, e, p, b, s) for m, e, p, b, s in itertools.product(models, estimators, placements, betas, seeds)]
-    if baseline:
-        points += [(m, None, "none", None, s) for m in models for s in seeds]
-    points += _include(grid.get("include"), models)
-    exclude = _patterns(grid.get("exclude"))
-    points = [p for p in points if not any(_matches(p, pattern) for pattern in exclude)]
-    return list(dict.fromkeys(points))
 
 
-def _patterns(raw: Any) -> list[dict[str, list[Any]]]:
-    patterns = []
-    for i, entry in enumerate(_list(raw, "grid.exclude")):
-        entry = _mapping(entry, f"grid.exclude[{i}]")
-        _known(entry, GRID_KEYS, f"grid.exclude[{i}]")
-        patterns.append({k: [float(x) if k == "beta" else x for x in _list(v, k)] for k, v in entry.items()})
-    return patterns
 
 
-def _matches(point: tuple, pattern: dict[str, list[Any]]) -> bool:
-    values = dict(zip(GRID_KEYS, point, strict=True))
-    return all(values[key] in allowed for key, allowed in pattern.items())
 
 
-def _include(raw: Any, models: list[str]) -> list[tuple]:
-    """Extra grid points; each entry may give lists, which expand as a small grid of their own."""
-    points = []
-    for i, entry in enumerate(_list(raw, "grid.include")):
-        key = f"grid.include[{i}]"
-        entry = _mapping(entry, key)
-        _known(entry, GRID_KEYS, key)
-        axes = {name: _list(entry.get(name), f"{key}.{name}") for name in GRID_KEYS}
-        axes["model"] = axes["model"] or models
-        axes["seed"] = axes["seed"] or [0]
-        for name in axes["model"]:
-            if name not in models:
-                raise StudyError(f"{key}.model: {name!r} is not one of the study's models ({', '.join(models)})")
-        for placement in axes["placement"] or [None]:
-            if placement not in PLACEMENTS:
-                raise StudyError(f"{key}.placement: {placement!r} is not one of {', '.join(PLACEMENTS)}")
-            if placement == "none":
-                points += [(m, None, "none", None, _number(s, f"{key}.seed", integer=True, minimum=0))
-                           for m in axes["model"] for s in axes["seed"]]
-                continue
-            if not axes["estimator"] or not axes["beta"]:
-                raise StudyError(f"{key}: a KL placement needs estimator and beta")
-            for m, e, b, s in itertools.product(axes["model"], axes["estimator"], axes["beta"], axes["seed"]):
-                if e not in ESTIMATORS:
-                    raise StudyError(f"{key}.estimator: {e!r} is not one of {', '.join(ESTIMATORS)}")
-                points.append((m, e, placement, float(_number(b, f"{key}.beta", minimum=0)),
-                               _number(s, f"{key}.seed", integer=True, minimum=0)))
-    return points
 
 
-def _run_config(shared: dict[str, Any], model: ModelSpec, model_path: str, point: tuple) -> dict[str, Any]:
-    name, estimator, placement, beta, seed = point
-    coords: dict[str, Any] = {"model": {"path": model_path, "name": name}, "train": {"seed": seed},
-                              "objective": {"placement": placement}}
-    if placement != "none":
-        coords["objective"].update(estimator=estimator, beta=float(beta))
-    return _merge(_merge(shared, model.run), coords)
+def _model_config(shared: dict[str, Any], model: ModelSpec, results: str, every: int) -> dict[str, Any]:
+    """What the study sets for every run of `model`, before the grid's coordinates."""
+    path = str(Path(results) / "models" / model.name) if model.build is not None else model.path
+    return _for_evaluation(merge(merge(shared, model.run), {"model": {"path": path, "name": model.name}}), every)
 
 
-def _check_run_config(config: dict[str, Any], model: ModelSpec):
-    """One run's validated trainer config; an error names the key where the study sets the bad value."""
+def _for_evaluation(config: dict[str, Any], every: int) -> dict[str, Any]:
+    """With evaluate.every: the checkpoints to evaluate outlive checkpoint.keep, and get their objective
+    measured."""
+    if not every:
+        return config
+    config = merge(config, {"checkpoint": {"keep_every": every}})
+    if config.get("measure", {}).get("prompts") and not config["measure"].get("every"):
+        config = merge(config, {"measure": {"every": every}})
+    return config
+
+
+def _complete(config: dict[str, Any]) -> dict[str, Any]:
+    """A run config as the trainer completes it (defaults filled in, values as it reads them); an invalid
+    one with the defaults under it (its runs' own check says what is wrong)."""
+    from trainer.config import ConfigError, RunConfig, from_dict
+
+    try:
+        return from_dict(config).to_dict()
+    except ConfigError:
+        return merge(RunConfig().to_dict(), config)
+
+
+def _check_run_config(config: dict[str, Any], model: ModelSpec, axes: list[str], run: str):
+    """One run's validated trainer config; an error names the key where the study sets the bad value (an
+    axis's: and the first run with the bad combination)."""
     from trainer.config import ConfigError, from_dict
 
     try:
@@ -322,24 +240,26 @@ def _check_run_config(config: dict[str, Any], model: ModelSpec):
     except ConfigError as error:
         section, _, rest = str(error).partition(".")
         key = rest.split(":")[0].split("[")[0]
+        if f"{section}.{key}" in axes:
+            raise StudyError(f"grid.axes.{error} (in run {run})") from None
         where = f"models.{model.name}.run" if key in model.run.get(section, {}) else "run"
         raise StudyError(f"{where}.{error}") from None
 
 
 def _data(raw: Any) -> dict[str, dict[str, Any]]:
     data = {}
-    for name, spec in _mapping(raw, "data").items():
+    for name, spec in mapping(raw, "data").items():
         key = f"data.{name}"
         if not isinstance(name, str) or not _NAME.match(name):
             raise StudyError(f"{key}: a data set name may hold letters, digits and . _ + -")
-        spec = _mapping(spec, key)
-        _known(spec, ("task", "options", "n", "start"), key)
+        spec = mapping(spec, key)
+        known(spec, ("task", "options", "n", "start"), key)
         if spec.get("task", "arithmetic") not in TASK_NAMES:
             raise StudyError(f"{key}.task: {spec['task']!r} is not one of {', '.join(TASK_NAMES)}")
-        _mapping(spec.get("options"), f"{key}.options")
-        for number in ("n", "start"):
-            if number in spec:
-                _number(spec[number], f"{key}.{number}", integer=True, minimum=0 if number == "start" else 1)
+        mapping(spec.get("options"), f"{key}.options")
+        for count in ("n", "start"):
+            if count in spec:
+                number(spec[count], f"{key}.{count}", integer=True, minimum=0 if count == "start" else 1)
         data[name] = {"task": "arithmetic", "options": {}, "n": 200, "start": 0, **spec}
     return data
 
@@ -347,26 +267,26 @@ def _data(raw: Any) -> dict[str, dict[str, Any]]:
 def _evaluate(raw: Any, data: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from eval.suites import NEEDS_DATA, SUITES, TASKS, expand
 
-    spec = _mapping(raw, "evaluate")
-    _known(spec, EVAL_KEYS, "evaluate")
+    spec = mapping(raw, "evaluate")
+    known(spec, EVAL_KEYS, "evaluate")
     merged = {"suites": ["in_domain", "out_of_domain"], "samples": 1, "limit": None, "every": 0, "batch_size": 8,
               "max_gen_toks": None, "temperature": 1.0, "top_p": 1.0, "backend": "hf", "data": {}, **spec}
-    merged["suites"] = _list(merged["suites"], "evaluate.suites")
+    merged["suites"] = listed(merged["suites"])
     for i, suite in enumerate(merged["suites"]):
         if suite not in SUITES and suite not in TASKS:
             raise StudyError(f"evaluate.suites[{i}]: {suite!r} is neither a suite ({', '.join(SUITES)}) nor a "
                              f"task ({', '.join(TASKS)})")
-    _number(merged["samples"], "evaluate.samples", integer=True, minimum=1)
-    _number(merged["every"], "evaluate.every", integer=True, minimum=0)
-    _number(merged["batch_size"], "evaluate.batch_size", integer=True, minimum=1)
+    number(merged["samples"], "evaluate.samples", integer=True, minimum=1)
+    number(merged["every"], "evaluate.every", integer=True, minimum=0)
+    number(merged["batch_size"], "evaluate.batch_size", integer=True, minimum=1)
     for name in ("limit", "max_gen_toks"):
         if merged[name] is not None:
-            _number(merged[name], f"evaluate.{name}", integer=True, minimum=1)
+            number(merged[name], f"evaluate.{name}", integer=True, minimum=1)
     for name in ("temperature", "top_p"):
-        _number(merged[name], f"evaluate.{name}", minimum=0)
+        number(merged[name], f"evaluate.{name}", minimum=0)
     if merged["backend"] not in ("hf", "vllm"):
         raise StudyError(f"evaluate.backend: {merged['backend']!r} is not one of hf, vllm")
-    sources = _mapping(merged["data"], "evaluate.data")
+    sources = mapping(merged["data"], "evaluate.data")
     for task, source in sources.items():
         if task not in TASKS:
             raise StudyError(f"evaluate.data.{task}: no such task ({', '.join(TASKS)})")
@@ -383,8 +303,8 @@ def _evaluate(raw: Any, data: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def load_study(data: dict[str, Any]) -> Study:
     """The validated study described by a parsed study config."""
-    data = _mapping(data, "config")
-    _known(data, TOP_KEYS, "")
+    data = mapping(data, "config")
+    known(data, TOP_KEYS, "")
     name = data.get("study")
     if not isinstance(name, str) or not _NAME.match(name):
         raise StudyError(f"study: expected a name (letters, digits, . _ + -), got {name!r}")
@@ -392,53 +312,55 @@ def load_study(data: dict[str, Any]) -> Study:
     if not isinstance(results, str) or not results:
         raise StudyError(f"results: expected a directory, got {results!r}")
     models = _models(data)
-    grid = _mapping(data.get("grid"), "grid")
-    shared = _mapping(data.get("run"), "run")
+    grid = mapping(data.get("grid"), "grid")
+    shared = mapping(data.get("run"), "run")
     for key in ("path", "name"):
-        if key in _mapping(shared.get("model"), "run.model"):
+        if key in mapping(shared.get("model"), "run.model"):
             raise StudyError(f"run.model.{key}: set by the study from `models` (a model's key is its name)")
     study_data = _data(data.get("data"))
     evaluate = _evaluate(data.get("evaluate"), study_data)
-    tracking = _mapping(data.get("tracking"), "tracking")
-    _known(tracking, ("uri",), "tracking")
-    resources_raw = _mapping(data.get("resources"), "resources")
-    _known(resources_raw, ("default", *RULES), "resources")
+    tracking = mapping(data.get("tracking"), "tracking")
+    known(tracking, ("uri",), "tracking")
+    resources_raw = mapping(data.get("resources"), "resources")
+    known(resources_raw, ("default", *RULES), "resources")
     default = {"cpus": 1, "mem_mb": 2000, "runtime": 60, "gpus": 0,
                **_resources(resources_raw.get("default"), "resources.default")}
     resources = {rule: {**default, **_resources(resources_raw.get(rule), f"resources.{rule}")} for rule in RULES}
 
+    every = evaluate["every"]
+    partial = {name: _model_config(shared, model, results, every) for name, model in models.items()}
+    expansion = Expansion(grid, {name: _complete(config) for name, config in partial.items()})
     runs, validated = [], {}
-    for point in _grid_points(grid, list(models)):
-        model = models[point[0]]
-        path = str(Path(results) / "models" / model.name) if model.build is not None else model.path
-        config = _run_config(shared, model, path, point)
-        every = evaluate["every"]
-        if every:  # the checkpoints to evaluate must outlive checkpoint.keep, and get their objective measured
-            config = _merge(config, {"checkpoint": {"keep_every": every}})
-            if config.get("measure", {}).get("prompts") and not config["measure"].get("every"):
-                config = _merge(config, {"measure": {"every": every}})
-        # Runs that differ only in their grid coordinates (checked above) validate alike: check one each.
+    for point in expansion.points():
+        model = models[point.model]
+        config = _for_evaluation(merge(partial[point.model], point.overrides()), every)
+        # Runs that differ only in estimator, beta and seed validate alike: check one each.
         shape = json.dumps({**config, "objective": {**config["objective"], "estimator": None, "beta": None},
                             "train": {**config["train"], "seed": None}}, sort_keys=True, default=str)
         if shape not in validated:
-            validated[shape] = _check_run_config(config, model)
+            validated[shape] = _check_run_config(config, model, expansion.names, point.run_id)
         checked = validated[shape]
         if every % checked.checkpoint.every:
             raise StudyError(f"evaluate.every: {every} is not a multiple of run.checkpoint.every "
                              f"({checked.checkpoint.every}), so those steps have no checkpoint to evaluate")
-        runs.append(RunSpec(run_id(*point), *point, config=config))
+        inert = {f"objective.{name}" for name in checked.objective.inert_fields()}
+        extra = {key: None if key in inert else expansion.value(point, key) for key in expansion.names}
+        runs.append(RunSpec(point.run_id, {"model": point.model, "estimator": point.estimator,
+                                           "placement": point.placement, "beta": point.beta, **extra,
+                                           "seed": point.seed}, config))
     if not runs:
         raise StudyError("grid: selects no runs (check estimators, placements, betas, baseline and exclude)")
     ids = [r.run_id for r in runs]
-    if len(set(ids)) != len(ids):  # two betas that print alike, such as 0.1 and 0.10000000001
+    if len(set(ids)) != len(ids):
         duplicate = next(i for i in ids if ids.count(i) > 1)
-        raise StudyError(f"grid.betas: two grid points share the run id {duplicate}")
+        raise StudyError(f"grid: two grid points share the run id {duplicate} (values that print alike, such as "
+                         "the betas 0.1 and 0.10000000001)")
     return Study(name, Path(results), models, runs, study_data, evaluate, tracking.get("uri"), resources,
                  _bundle(data.get("bundle")))
 
 
 def _bundle(raw: Any) -> dict[str, int]:
     """Grid points per job of each bundled rule (default 1: a job per grid point)."""
-    spec = _mapping(raw, "bundle")
-    _known(spec, BUNDLED, "bundle")
-    return {rule: _number(spec.get(rule, 1), f"bundle.{rule}", integer=True, minimum=1) for rule in BUNDLED}
+    spec = mapping(raw, "bundle")
+    known(spec, BUNDLED, "bundle")
+    return {rule: number(spec.get(rule, 1), f"bundle.{rule}", integer=True, minimum=1) for rule in BUNDLED}

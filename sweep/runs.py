@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from sweep import axes
 from trainer.run_files import COMPLETE, CONFIG, METRICS, OBJECTIVE, OBJECTIVE_REFERENCE, read_metrics
 
 
@@ -35,6 +36,7 @@ class RunRecord:
     checkpoint_evals: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)  # step -> suite -> ...
     objective: list[dict[str, Any]] = field(default_factory=list)  # objective.jsonl: the measured objective
     objective_reference: dict[str, Any] | None = None  # objective_reference.json: the reference's rewards
+    extra_axes: tuple[str, ...] = ()  # the run-config keys its study swept besides the standard axes
 
     @property
     def eval_root(self) -> Path:
@@ -55,22 +57,13 @@ class RunRecord:
 
     @property
     def coords(self) -> dict[str, Any]:
-        """The grid coordinates: model, estimator, placement, beta (None without KL), seed."""
-        objective = self.config.get("objective", {})
-        placement = objective.get("placement", "none")
-        model = self.config.get("model", {})
-        return {
-            "model": model.get("name") or Path(str(model.get("path", ""))).name or "?",
-            "estimator": objective.get("estimator") if placement != "none" else None,
-            "placement": placement,
-            "beta": objective.get("beta") if placement != "none" else None,
-            "seed": self.config.get("train", {}).get("seed", 0),
-        }
+        """The grid coordinates: model, estimator, placement, beta, the extra axes, seed (None where
+        the run does not use one: no estimator or beta without KL)."""
+        return axes.coords_of(self.config, self.extra_axes)
 
     @property
     def label(self) -> str:
-        c = self.coords
-        return "no KL" if c["placement"] == "none" else f"{c['estimator']}-{c['placement']}"
+        return axes.configuration(self.coords)
 
     def measured(self, beta: float | None) -> dict[str, float] | None:
         """The final model's measured objective: reward and KL to the reference, and at `beta` (any
@@ -91,18 +84,6 @@ class RunRecord:
         return {task: row["value"] for suite in self.evals.values() for task, row in suite.get("tasks", {}).items()}
 
 
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}."""
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat
-
-
 def _suites(directory: Path) -> dict[str, dict[str, Any]]:
     """suite -> its metrics.json, for every suite evaluated under `directory`."""
     if not directory.is_dir():
@@ -112,7 +93,8 @@ def _suites(directory: Path) -> dict[str, dict[str, Any]]:
 
 
 def load_runs(results: Path) -> list[RunRecord]:
-    """Every run under results/runs that has a config, with its evals from results/eval/<id>/<suite>."""
+    """Every run under results/runs that has a config, with its evals from results/eval/<id>/<suite>; the
+    extra axes are the config keys that differ between runs of one model (sweep.axes)."""
     runs_dir = Path(results) / "runs"
     records = []
     for path in sorted(runs_dir.iterdir()) if runs_dir.is_dir() else []:
@@ -128,4 +110,7 @@ def load_runs(results: Path) -> list[RunRecord]:
             if directory.name[5:].isdigit() and (suites := _suites(directory)):
                 record.checkpoint_evals[int(directory.name[5:])] = suites
         records.append(record)
+    extra = tuple(axes.extra_axes([r.config for r in records]))
+    for record in records:
+        record.extra_axes = extra
     return records

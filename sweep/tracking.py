@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from sweep.runs import RunRecord, flatten, load_runs
+from sweep.axes import flatten
+from sweep.runs import RunRecord, load_runs
 
 log = logging.getLogger(__name__)
 

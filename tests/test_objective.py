@@ -64,6 +64,42 @@ def test_placement_none_ignores_beta():
     assert a.item() == b.item()
 
 
+INERT_ALTERNATIVES = {"estimator": "k2", "beta": 5.0, "kl_loss_ratio": "differentiable", "grpo_scale": False,
+                      "norm_length": 7, "clip_eps_high": 0.5, "clip_eps": 0.1}
+
+
+@pytest.mark.parametrize("placement", ["none", "reward", "loss", "reward+loss"])
+@pytest.mark.parametrize("advantage", ["rloo", "grpo"])
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("clip_eps", [None, 0.2])
+def test_inert_fields_change_nothing_and_the_others_change_the_loss(placement, advantage, loss_agg, clip_eps):
+    """What a study relies on to cross an axis only where it means something: off-policy (so every
+    ratio matters), changing a field the config calls inert leaves the loss and its gradient exactly
+    as they were; changing one it does not call inert changes them."""
+    from dataclasses import replace
+
+    logp, ref, rewards, mask = _batch()
+    old = logp - torch.tensor([[0.3, -0.2], [0.1, 0.0], [-0.4, 0.25], [0.2, -0.1]], dtype=torch.float64)
+    config = ObjectiveConfig(estimator="k3", placement=placement, beta=0.1, advantage=advantage, loss_agg=loss_agg,
+                             norm_length=4, clip_eps=clip_eps, clip_eps_high=0.3 if clip_eps else None,
+                             kl_loss_ratio="detached")
+
+    def loss_and_grad(objective):
+        theta = logp.clone().requires_grad_()
+        loss, _ = compute_loss(theta, ref, old, rewards, mask, 2, objective)
+        loss.backward()
+        return loss.detach(), theta.grad
+
+    loss, grad = loss_and_grad(config)
+    inert = config.inert_fields()
+    for name, value in INERT_ALTERNATIVES.items():
+        if name == "clip_eps_high" and clip_eps is None:
+            continue  # not inert but invalid: the config refuses it without clip_eps
+        changed_loss, changed_grad = loss_and_grad(replace(config, **{name: value}))
+        same = torch.equal(changed_loss, loss) and torch.equal(changed_grad, grad)
+        assert same == (name in inert), (name, sorted(inert))
+
+
 def test_ratio_clipping_and_its_statistics():
     logp, ref, rewards, mask = _batch()
     old = logp.clone()

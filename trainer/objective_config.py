@@ -108,6 +108,22 @@ class ObjectiveConfig:
     def kl_in_loss(self) -> bool:
         return self.placement in ("loss", "reward+loss")
 
+    def inert_fields(self) -> frozenset[str]:
+        """The fields this objective never reads: without a KL term its estimator, beta and ratio;
+        with the KL only in the reward, the KL loss term's ratio; grpo_scale outside grpo;
+        norm_length outside its aggregation. A study crosses an axis
+        only where it is not inert, so that no two of its runs compute the same thing."""
+        inert = set()
+        if self.placement == "none":
+            inert |= {"estimator", "beta"}
+        if not self.kl_in_loss:
+            inert.add("kl_loss_ratio")
+        if self.advantage != "grpo":
+            inert.add("grpo_scale")
+        if self.loss_agg != "seq-mean-token-sum-norm":
+            inert.add("norm_length")
+        return frozenset(inert)
+
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))

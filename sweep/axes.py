@@ -1,0 +1,155 @@
+"""A run's coordinates in its study: a mapping of axis names to values, read from its config.
+
+The standard axes are model, estimator, placement, beta and seed. Any other run-config key, written
+dotted (`train.async_level`, `objective.kl_loss_ratio`), can be an axis too. Grid expansion, run ids,
+MLflow tags, tables and figures all read this mapping and never fixed positions.
+
+What a run's config does not use is no coordinate: a run without KL has no estimator, beta or KL
+loss ratio, and a run with the KL only in the reward has no KL loss ratio
+(`ObjectiveConfig.inert_fields`). Such a coordinate is None ("-" in tables), and a study runs that
+point once, not once per value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+STANDARD = ("model", "estimator", "placement", "beta", "seed")
+STANDARD_KEYS = {"estimator": "objective.estimator", "placement": "objective.placement", "beta": "objective.beta",
+                 "seed": "train.seed"}
+NOT_AXES = {"model.path", "model.name", *STANDARD_KEYS.values()}  # the standard axes' own config keys
+# Run-id parts of common axes: prefix + value (`async2`, `ratio-detached`); any other key gives
+# `<its last part>-<value>` (`max_operand-9`).
+ID_PREFIXES = {"objective.kl_loss_ratio": "ratio-", "train.async_level": "async", "objective.advantage": "adv-",
+               "objective.loss_agg": "agg-", "objective.clip_eps": "clip", "objective.tis_cap": "tis",
+               "train.lr": "lr", "train.group_size": "g", "train.epochs": "epochs", "train.minibatches": "mb"}
+ESTIMATOR_ORDER = {"k1": 0, "k2": 1, "k3": 2}
+PLACEMENT_ORDER = {"reward": 0, "loss": 1, "reward+loss": 2}
+NO_VALUE = "-"  # a coordinate the run does not use, in tables
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+,=-]")
+
+
+def value_text(value: Any) -> str:
+    """A coordinate as tables, ids and tags show it: 1.0 -> 1, 3e-4 -> 0.0003, [0.9, 0.99] -> 0.9,0.99."""
+    if value is None:
+        return NO_VALUE
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return format(value, "g")
+    if isinstance(value, (list, tuple)):
+        return ",".join(value_text(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equal as coordinates (1 and 1.0 are the same beta, async level or learning rate)."""
+    return value_text(a) == value_text(b)
+
+
+def id_part(key: str, value: Any) -> str:
+    """An extra axis's part of a run id, safe as a directory name and a wildcard."""
+    prefix = ID_PREFIXES.get(key, key.rsplit(".", 1)[-1] + "-")
+    text = "none" if value is None else value_text(value)
+    return _UNSAFE.sub("_", prefix + text)
+
+
+def header(key: str, keys: list[str]) -> str:
+    """An axis's column header: its last part, unless two axes share it."""
+    short = key.rsplit(".", 1)[-1]
+    return short if sum(k.rsplit(".", 1)[-1] == short for k in keys) == 1 else key
+
+
+def lookup(config: dict[str, Any], key: str, default: Any = None) -> Any:
+    """The value at a dotted key of a nested config."""
+    value: Any = config
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return default
+        value = value[part]
+    return value
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def inert_keys(config: dict[str, Any]) -> frozenset[str]:
+    """The dotted keys of `config` that its run never reads (see trainer's ObjectiveConfig.inert_fields)."""
+    from trainer.objective_config import ObjectiveConfig
+
+    section = config.get("objective") or {}
+    try:
+        objective = ObjectiveConfig(**{k: v for k, v in section.items() if k in ObjectiveConfig.field_names()})
+    except (TypeError, ValueError):  # not a config the trainer would run: nothing is known to be inert
+        return frozenset()
+    return frozenset(f"objective.{name}" for name in objective.inert_fields())
+
+
+def model_name(config: dict[str, Any]) -> str:
+    model = config.get("model", {})
+    return model.get("name") or Path(str(model.get("path", ""))).name or "?"
+
+
+def coords_of(config: dict[str, Any], extra: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A run's coordinates from its config: model, estimator, placement, beta, the `extra` axes
+    (dotted keys) in their order, seed; None where the run does not use the key."""
+    inert = inert_keys(config)
+    coords: dict[str, Any] = {"model": model_name(config)}
+    for axis in ("estimator", "placement", "beta"):
+        key = STANDARD_KEYS[axis]
+        coords[axis] = None if key in inert else lookup(config, key, "reward" if axis == "placement" else None)
+    coords.update({key: None if key in inert else lookup(config, key) for key in extra})
+    coords["seed"] = lookup(config, "train.seed", 0)
+    return coords
+
+
+def extra_axes(configs: list[dict[str, Any]]) -> list[str]:
+    """The run-config keys besides the standard axes whose values differ between runs of the same
+    model (where the runs use them): the axes a set of runs was swept over, in config order."""
+    seen: dict[str, dict[str, set[str]]] = {}  # key -> model -> values
+    for config in configs:
+        inert, name = inert_keys(config), model_name(config)
+        for key, value in flatten(config).items():
+            if key not in NOT_AXES and key not in inert:
+                seen.setdefault(key, {}).setdefault(name, set()).add(json.dumps(value, sort_keys=True))
+    # a key that some configs lack (runs of an older trainer) varies only if those that have it differ
+    return [key for key, by_model in seen.items() if any(len(values) > 1 for values in by_model.values())]
+
+
+def configuration(coords: dict[str, Any]) -> str:
+    """The row label of a KL configuration: estimator-placement, or `no KL`."""
+    if coords["placement"] == "none":
+        return "no KL"
+    return f"{coords['estimator']}-{coords['placement']}"
+
+
+def _order(value: Any) -> tuple:
+    """Numbers by size, then text; an unused coordinate first."""
+    if value is None:
+        return (0, 0.0, "")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (1, float(value), "")
+    return (2, 0.0, value_text(value))
+
+
+def sort_key(coords: dict[str, Any]) -> tuple:
+    """Model, then beta (the no-KL baseline last), the extra axes, estimator and placement, seed."""
+    extra = tuple(_order(coords[key]) for key in coords if key not in STANDARD)
+    kl = coords["placement"] != "none"
+    return (coords["model"], 0 if kl else 1, float(coords["beta"] or 0.0) if kl else 0.0, extra,
+            ESTIMATOR_ORDER.get(coords["estimator"], 9), PLACEMENT_ORDER.get(coords["placement"], 9),
+            _order(coords["seed"]))
