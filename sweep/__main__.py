@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--results", type=Path, default=Path("results"))
     r.add_argument("--study", help="also log the tables and figures to this study's MLflow parent run")
     r.add_argument("--uri", help="tracking URI (with --study)")
+    r.add_argument("--columns", action="append", default=[], metavar="AXIS",
+                   help="also write tables/results_by_<AXIS>.md and .tex with this axis in the columns: model, "
+                        "estimator, placement, beta or a swept config key (train.async_level, or async_level); "
+                        "repeat for more. Every extra axis of the study gets one anyway")
     r.add_argument("--collapse-fraction", type=float, default=0.5,
                    help="a run whose smoothed reward or pass rate ends below this fraction of its peak is "
                         "flagged unstable (default 0.5)")
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             from sweep.report import report
 
             with contextlib.redirect_stdout(sys.stderr):
-                written = report(args.results, args.study, args.uri, args.collapse_fraction)
+                written = report(args.results, args.study, args.uri, args.collapse_fraction, tuple(args.columns))
             print(json.dumps(written))
     except ValueError as error:
         log.error("%s", error)

@@ -160,6 +160,22 @@ def _params(record: RunRecord):
     return [Param(k, str(v)[:MAX_PARAM]) for k, v in sorted(flatten(record.config).items())]
 
 
+def coordinate_tags(record: RunRecord) -> dict[str, str]:
+    """klstudy.<axis> for every axis: model, estimator, placement, beta, seed and the study's extra axes
+    (klstudy.train.async_level), so that the UI filters and groups runs by any of them."""
+    return {f"klstudy.{axis}": str(value) for axis, value in record.coords.items()}
+
+
+def _update_coordinate_tags(client, run_id: str, run_tags: dict[str, str], record: RunRecord) -> None:
+    """The extra axes are known from the runs present: a run synced before its study's other runs
+    existed gets the tags of the axes found since."""
+    from mlflow.entities import RunTag
+
+    stale = [RunTag(k, v) for k, v in coordinate_tags(record).items() if run_tags.get(k) != v]
+    if stale:
+        client.log_batch(run_id, tags=stale)
+
+
 def _child_run(client, experiment_id: str, parent_id: str, record: RunRecord, report: SyncReport) -> str:
     """The run's MLflow child run, created and set up if need be.
 
@@ -173,9 +189,8 @@ def _child_run(client, experiment_id: str, parent_id: str, record: RunRecord, re
     if existing is not None and existing.data.tags.get(TAG_SET_UP) == "1":
         return existing.info.run_id
     if existing is None:
-        coords = {f"klstudy.{k}": str(v) for k, v in record.coords.items()}
-        run_id = client.create_run(experiment_id, run_name=record.run_id,
-                                   tags={**tags, **coords, "mlflow.parentRunId": parent_id}).info.run_id
+        tags |= {**coordinate_tags(record), "mlflow.parentRunId": parent_id}
+        run_id = client.create_run(experiment_id, run_name=record.run_id, tags=tags).info.run_id
         report.runs_created += 1
     else:
         run_id = existing.info.run_id
@@ -281,6 +296,7 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
             report.child_run_ids[record.run_id] = run_id
             before = report.steps_logged
             run = client.get_run(run_id)
+            _update_coordinate_tags(client, run_id, run.data.tags, record)
             _log_steps(client, run_id, record, report)
             _log_evals(client, run_id, run.data.tags, record, report)
             _log_objective(client, run_id, record)

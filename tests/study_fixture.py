@@ -10,13 +10,15 @@ REFERENCE_HISTOGRAMS = [[[0.0, 1], [1.0, 1]], [[0.0, 3], [1.0, 1]]]  # two promp
 
 def write_run(results: Path, run_id: str, estimator: str, placement: str, beta: float, seed: int,
               rewards: list[float], scores: dict[str, float], model: str = "toy", complete: bool = True,
-              skipped: int = 0, measured: tuple[list[float], list[float]] | None = None) -> Path:
+              skipped: int = 0, measured: tuple[list[float], list[float]] | None = None,
+              train: dict | None = None, objective: dict | None = None) -> Path:
     """A run with `rewards` per step and eval `scores`; with `measured` (per-prompt reward and KL of the
-    final model), also its objective.jsonl and the reference's histograms of REFERENCE_HISTOGRAMS."""
+    final model), also its objective.jsonl and the reference's histograms of REFERENCE_HISTOGRAMS;
+    `train` and `objective`: more of those sections' config (an extra axis's value)."""
     run = results / "runs" / run_id
     run.mkdir(parents=True, exist_ok=True)
     config = {"model": {"path": f"/models/{model}"}, "objective": {"estimator": estimator, "placement": placement,
-              "beta": beta}, "train": {"seed": seed, "steps": len(rewards)}}
+              "beta": beta, **(objective or {})}, "train": {"seed": seed, "steps": len(rewards), **(train or {})}}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     lines = [{"step": i, "reward_mean": r, "pass_rate": r, "kl_k3": 0.01 * i, "entropy": 1.0 - 0.01 * i,
               "response_length": 3.0, "skipped_updates": float(skipped if i == 1 else 0)}

@@ -5,8 +5,9 @@ import csv
 import pytest
 from study_fixture import write_run, write_study
 
-from sweep.report import instability, report, table_rows
+from sweep.report import report
 from sweep.runs import load_runs
+from sweep.table import instability, summarize
 
 
 def test_table_cells_are_mean_and_std_over_seeds_with_the_best_in_bold(tmp_path):
@@ -33,7 +34,8 @@ def test_figures_are_written_and_not_empty(tmp_path):
     results = write_study(tmp_path / "results")
     files = report(results)["files"]
     figures = [f for f in files if f.endswith(".png")]
-    assert {p.split("/")[-1] for p in figures} == {"curves_toy_beta0.05.png", "accuracy_vs_beta_toy.png"}
+    # one beta: nothing to draw against beta
+    assert {p.split("/")[-1] for p in figures} == {"curves_toy_beta0.05.png"}
     for figure in figures:
         data = open(figure, "rb").read()
         assert data.startswith(b"\x89PNG") and len(data) > 20_000
@@ -46,8 +48,8 @@ def test_instability_flags_collapse_and_skipped_updates(tmp_path):
     reasons = instability(records["toy__k3-loss__b0.05__s0"])
     assert any("reward collapsed" in r for r in reasons) and any("non-finite" in r for r in reasons)
     assert instability(records["toy__k3-loss__b0.05__s0"], fraction=0.01) == ["1 non-finite updates skipped"]
-    rows, tasks = table_rows(list(records.values()))
-    assert [r.configuration for r in rows] == ["k1-reward", "k3-loss", "no KL"] and tasks == ["math500"]
+    groups, tasks = summarize(list(records.values()))
+    assert [g.label for g in groups] == ["k1-reward", "k3-loss", "no KL"] and tasks == ["math500"]
 
 
 def test_the_gradient_audit_table_is_included_when_the_audit_ran(tmp_path):
@@ -66,7 +68,7 @@ def test_columns_follow_the_suites_in_domain_first(tmp_path):
     results = tmp_path / "results"
     write_run(results, "a", "k1", "reward", 0.1, 0, [0.1, 0.2], {"mmlu_college_physics": 0.3, "math500": 0.2,
                                                                  "zz_custom": 0.1})
-    assert table_rows(load_runs(results))[1] == ["math500", "mmlu_college_physics", "zz_custom"]
+    assert summarize(load_runs(results))[1] == ["math500", "mmlu_college_physics", "zz_custom"]
 
 
 def test_the_objective_columns_the_reference_row_and_paired_significance(tmp_path):
@@ -76,7 +78,7 @@ def test_the_objective_columns_the_reference_row_and_paired_significance(tmp_pat
 
     import scipy.stats
 
-    from sweep.report import paired_p_value
+    from sweep.table import paired_p_value
     from trainer.optimum import optimal_value
 
     results = tmp_path / "results"
@@ -109,3 +111,68 @@ def test_the_objective_columns_the_reference_row_and_paired_significance(tmp_pat
     a, b = {0: 1.0, 1: 2.0, 2: 4.0}, {0: 0.0, 1: 0.0, 2: 0.0, 3: 9.0}  # seed 3 has no pair
     assert paired_p_value(a, b) == pytest.approx(scipy.stats.ttest_rel([1, 2, 4], [0, 0, 0]).pvalue)
     assert paired_p_value({0: 1.0}, {0: 0.0}) is None
+
+
+def _off_policy_fixture(results):
+    """k1-reward, k1-loss with the KL loss ratio none and detached, and no KL, at async levels 0 and 2,
+    two seeds each; pass@1 and the measured objective are known per run."""
+    for seed in (0, 1):
+        for level in (0, 2):
+            tag = "" if level == 0 else "__async2"
+            stale = 0.1 * level  # staleness costs k1-loss without the ratio
+            write_run(results, f"toy__k1-reward__b0.1{tag}__s{seed}", "k1", "reward", 0.1, seed, [0.5, 0.6],
+                      {"arith": 0.6 + 0.01 * seed}, train={"async_level": level}, objective={"kl_loss_ratio": "none"},
+                      measured=([0.7, 0.4], [0.1, 0.1]))
+            for ratio in ("none", "detached"):
+                part = "" if ratio == "none" else "__ratio-detached"
+                drop = stale if ratio == "none" else 0.0
+                write_run(results, f"toy__k1-loss__b0.1{part}{tag}__s{seed}", "k1", "loss", 0.1, seed, [0.5, 0.6],
+                          {"arith": 0.55 - drop + 0.01 * seed}, train={"async_level": level},
+                          objective={"kl_loss_ratio": ratio}, measured=([0.7 - drop, 0.4], [0.2 + drop, 0.2]))
+            write_run(results, f"toy__none{tag}__s{seed}", "k1", "none", 0.0, seed, [0.5, 0.6 - stale],
+                      {"arith": 0.5 - stale}, train={"async_level": level}, measured=([0.6, 0.4], [0.5, 0.5]))
+    return results
+
+
+def test_extra_axes_group_the_rows_go_in_the_columns_and_get_their_figures(tmp_path):
+    results = _off_policy_fixture(tmp_path / "results")
+    files = {f.split("/")[-1] for f in report(results)["files"]}
+    md = (results / "tables" / "results.md").read_text()
+    assert md.startswith("| model | beta | kl_loss_ratio | async_level | configuration | seeds | arith | "
+                         "objective_gap |")
+    assert "| toy | 0.1 | - | 2 | k1-reward | 2 | **0.605 ± 0.007** |" in md  # the reward's KL has no loss ratio
+    # k1-loss without the ratio loses 0.2 at async 2 on both seeds against k1-reward there: a paired test finds it
+    assert "| toy | 0.1 | none | 2 | k1-loss | 2 | 0.355 ± 0.007* |" in md
+    assert "| toy | 0.1 | detached | 2 | k1-loss | 2 | 0.555 ± 0.007* |" in md
+    assert "| toy | - | - | 2 | no KL | 2 | 0.300 ± 0.000 |" in md
+    assert md.index("| toy | 0.1 | - | - | reference |") < md.index("| toy | 0.1 | - | 0 | k1-reward |")
+
+    by_async = (results / "tables" / "results_by_async_level.md").read_text()
+    assert by_async.startswith("| model | beta | kl_loss_ratio | configuration | seeds | arith (async_level=0) | "
+                               "arith (async_level=2) |")
+    assert "| toy | 0.1 | none | k1-loss | 2 | 0.555 ± 0.007* | 0.355 ± 0.007* |" in by_async
+    assert "| toy | 0.1 | detached | k1-loss | 2 | 0.555 ± 0.007* | 0.555 ± 0.007* |" in by_async
+    reference = next(line for line in by_async.splitlines() if "| reference |" in line)
+    assert reference.count("0.000") == 2  # its KL, in both async columns
+    assert "results_by_kl_loss_ratio.md" in files and "results_by_async_level.tex" in files
+
+    rows = list(csv.DictReader((results / "tables" / "results.csv").open()))
+    assert list(rows[0])[:5] == ["model", "beta", "objective.kl_loss_ratio", "train.async_level", "configuration"]
+    detached = next(r for r in rows if r["configuration"] == "k1-loss" and r["objective.kl_loss_ratio"] == "detached"
+                    and r["train.async_level"] == "2" and r["task"] == "objective_gap")
+    assert detached["p_vs_k1_reward"] != ""
+
+    assert {"accuracy_vs_async_level_toy.png", "curves_toy_beta0.1_ratio-detached_async2.png",
+            "curves_toy_beta0.1_ratio-none_async0.png", "reward_vs_kl_toy_ratio-detached_async2.png"} <= files
+    assert not any(f.startswith("accuracy_vs_beta") for f in files)  # one beta
+    figure = results / "figures" / "accuracy_vs_async_level_toy.png"
+    assert figure.read_bytes().startswith(b"\x89PNG") and figure.stat().st_size > 20_000
+
+
+def test_any_axis_in_the_columns_and_a_bad_one_named(tmp_path):
+    results = _off_policy_fixture(tmp_path / "results")
+    report(results, columns=("placement",))
+    by_placement = (results / "tables" / "results_by_placement.md").read_text()
+    assert "| toy | 0.1 | none | 2 | k1 | 2 | **0.605 ± 0.007** | 0.355 ± 0.007* |" in by_placement  # reward: no ratio
+    with pytest.raises(ValueError, match="--columns: 'seed' is not an axis of these runs"):
+        report(results, columns=("seed",))

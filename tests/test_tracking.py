@@ -77,6 +77,30 @@ def test_sync_into_sqlite_logs_everything_once(tmp_path, monkeypatch):
     assert len(client(uri).get_metric_history(run.info.run_id, "reward_mean")) == 6
 
 
+def test_every_axis_is_a_tag_and_runs_synced_before_an_axis_appeared_get_it(tmp_path):
+    results = tmp_path / "results"
+    for seed in (0, 1):
+        write_run(results, f"toy__k1-loss__b0.05__s{seed}", "k1", "loss", 0.05, seed, [0.2, 0.4], {"math500": 0.5},
+                  train={"async_level": 0}, objective={"kl_loss_ratio": "none"})
+    uri = f"sqlite:///{(results / 'mlflow.db').resolve()}"
+    sync(results, "axes", uri)
+    first = child_runs(uri, "axes")[0][0]
+    assert "klstudy.train.async_level" not in first.data.tags  # one value so far: not an axis
+    write_run(results, "toy__k1-loss__b0.05__async2__s0", "k1", "loss", 0.05, 0, [0.2, 0.1], {"math500": 0.3},
+              train={"async_level": 2}, objective={"kl_loss_ratio": "detached"})
+    write_run(results, "toy__none__async2__s0", "k1", "none", 0.0, 0, [0.2, 0.1], {"math500": 0.3},
+              train={"async_level": 2}, objective={"kl_loss_ratio": "detached"})
+    sync(results, "axes", uri)
+    tags = {r.data.tags["klstudy.run_id"]: r.data.tags for r in child_runs(uri, "axes")[0]}
+    assert {i: t["klstudy.train.async_level"] for i, t in tags.items()} == {
+        "toy__k1-loss__b0.05__s0": "0", "toy__k1-loss__b0.05__s1": "0", "toy__k1-loss__b0.05__async2__s0": "2",
+        "toy__none__async2__s0": "2"}
+    ratio = {i: t["klstudy.objective.kl_loss_ratio"] for i, t in tags.items()}
+    assert ratio == {"toy__k1-loss__b0.05__s0": "none", "toy__k1-loss__b0.05__s1": "none",
+                     "toy__k1-loss__b0.05__async2__s0": "detached", "toy__none__async2__s0": "None"}  # unused: None
+    assert tags["toy__none__async2__s0"]["klstudy.beta"] == "None"
+
+
 def test_a_sync_interrupted_after_creating_a_child_run_is_completed_by_the_next(tmp_path, monkeypatch):
     """A crash between creating a child run and logging its params left a run without params that
     later syncs found and skipped; now the next sync completes it."""
