@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.klstudy-installed
 VLLM_STAMP := $(VENV)/.klstudy-vllm-installed
 
-.PHONY: setup setup-vllm study test
+.PHONY: setup setup-vllm study study-offpolicy test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ setup-vllm: $(VLLM_STAMP)
 # The main job: the toy study, end to end, through Snakemake (see the README, "The study").
 study: $(STAMP)
 	$(BIN)/snakemake --profile profiles/local
+
+# The off-policy study at toy scale (README, "What the toy off-policy study shows").
+study-offpolicy: $(STAMP)
+	$(BIN)/snakemake --profile profiles/local --configfile workflow/config/toy_offpolicy.yaml
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -12,6 +12,7 @@ point once, not once per value.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -117,9 +118,33 @@ def coords_of(config: dict[str, Any], extra: list[str] | tuple[str, ...] = ()) -
     return coords
 
 
+@functools.cache
+def _config_keys() -> list[str]:
+    from trainer.config import RunConfig
+
+    return list(flatten(RunConfig().to_dict()))
+
+
+def config_order(key: str) -> tuple:
+    """Where a dotted key sits in the run config (its sections and fields in declaration order; keys
+    inside a mapping such as task.options by name): the order of extra axes everywhere, in run ids,
+    table columns and figure names alike."""
+    fields = _config_keys()
+    parts = key.split(".")
+    for depth in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:depth])
+        if prefix in fields:
+            return (fields.index(prefix), ".".join(parts[depth:]))
+        inside = [i for i, name in enumerate(fields) if name.startswith(prefix + ".")]
+        if inside:
+            return (inside[0], ".".join(parts[depth:]))
+    return (len(fields), key)
+
+
 def extra_axes(configs: list[dict[str, Any]]) -> list[str]:
     """The run-config keys besides the standard axes whose values differ between runs of the same
-    model (where the runs use them): the axes a set of runs was swept over, in config order."""
+    model (where the runs use them): the axes a set of runs was swept over, in config order
+    (`config_order`)."""
     seen: dict[str, dict[str, set[str]]] = {}  # key -> model -> values
     for config in configs:
         inert, name = inert_keys(config), model_name(config)
@@ -127,7 +152,8 @@ def extra_axes(configs: list[dict[str, Any]]) -> list[str]:
             if key not in NOT_AXES and key not in inert:
                 seen.setdefault(key, {}).setdefault(name, set()).add(json.dumps(value, sort_keys=True))
     # a key that some configs lack (runs of an older trainer) varies only if those that have it differ
-    return [key for key, by_model in seen.items() if any(len(values) > 1 for values in by_model.values())]
+    return sorted((key for key, by_model in seen.items() if any(len(values) > 1 for values in by_model.values())),
+                  key=config_order)
 
 
 def configuration(coords: dict[str, Any]) -> str:

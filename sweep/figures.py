@@ -78,14 +78,16 @@ def _matches(coords: dict[str, Any], point: dict[str, Any]) -> bool:
 
 
 def _points(runs: list[RunRecord], extra: list[str]) -> list[dict[str, Any]]:
-    """The points of the extra axes that `runs` reach (a value only runs that use it give)."""
+    """The points of the extra axes where some run of `runs` is (a run that does not use an axis, such
+    as k1-reward and the KL loss ratio, belongs at each of its values, but makes no point of its own)."""
     values = [list(dict.fromkeys(axes.value_text(r.coords[k]) for r in runs if r.coords[k] is not None)) or [None]
               for k in extra]
     found = []
     for combo in itertools.product(*values):
         point = {k: next((r.coords[k] for r in runs if axes.value_text(r.coords[k]) == v), None)
                  for k, v in zip(extra, combo, strict=True)}
-        if any(_matches(r.coords, point) for r in runs):
+        if any(all(v is None or (r.coords[k] is not None and axes.same_value(r.coords[k], v))
+                   for k, v in point.items()) for r in runs):
             found.append(point)
     return found
 
@@ -199,6 +201,9 @@ def axis_figures(groups: list[Group], tasks: list[str], out: Path) -> list[Path]
                 ax.set_xscale("log")
             elif all(isinstance(x, int) for x in xs):  # async levels, epochs: whole ticks
                 ax.set_xticks(sorted(set(xs)))
+            heights = [c.mean for points in series.values() for _, c in points]
+            if min(heights) > 0 and max(heights) / min(heights) > 30:  # a collapsed run's gap next to the rest
+                ax.set_yscale("log")
             ax.set_xlabel(axis if axis in axes.STANDARD else axes.header(axis, extra))
             ax.set_title(f"{metric} pass@1" if metric not in OBJECTIVE_COLUMNS
                          else "objective gap J* - J (lower: better)")

@@ -7,7 +7,7 @@ trainer config is validated here too (`trainer.config` needs no torch, so this s
 Axes: model, estimator, placement, beta and seed, and any run-config key in `grid.axes` (dotted,
 such as `train.async_level`), all multiplied. A point runs once however many values an axis has
 that it does not use: the no-KL baseline has no estimator, beta or KL loss ratio, and the KL in the
-reward has no KL loss ratio (sweep.axes).
+reward has no KL loss ratio (sweep.points).
 
 Run ids: `<model>__<estimator>-<placement>__b<beta>[__<extra>...]__s<seed>`, and
 `<model>__none[__<extra>...]__s<seed>` for the baseline. An extra axis appears (`async2`,

@@ -1,5 +1,6 @@
 """The grid's points: models x estimators x placements x betas x `grid.axes` x seeds, plus the no-KL
-baseline, `include` and `exclude`; each point once, with its run id.
+baseline, `include` and `exclude`; each point once, with its run id (extra axes in run-config order,
+as tables and figures show them: sweep.axes.config_order).
 
 An extra axis is any run-config key, dotted (`train.async_level`). A point keeps an extra value only
 where its run uses the key and the value differs from the study's base (the `run` config, else the
@@ -172,7 +173,7 @@ class Expansion:
         self.axes = {key: check_axis_values(key, values, f"grid.axes.{key}", first,
                                             {k: v for k, v in raw.items() if k != key})
                      for key, values in raw.items()}
-        self.names = list(self.axes)  # the extra axes in id order: grid.axes, then include's own
+        self.names = sorted(self.axes, key=coords.config_order)  # the extra axes, in id order
 
     def points(self) -> list[Point]:
         """Every point, each once, in grid order (models, estimators, placements, betas, extra axes,
@@ -204,7 +205,7 @@ class Expansion:
 
     def _entry_axes(self, entry: dict[str, Any], where: str, new_axes: bool) -> dict[str, list[Any]]:
         """The extra axes of an include or exclude entry, validated; with `new_axes`, keys that are not
-        in grid.axes become axes (after them, in the order they come)."""
+        in grid.axes become axes too."""
         first = next(iter(self.base.values()))
         mine = {key: values for key, values in entry.items() if key not in GRID_KEYS}
         extra = {}
@@ -214,7 +215,7 @@ class Expansion:
             extra[key] = check_axis_values(key, values, f"{where}.{key}", first,
                                            {k: v for k, v in mine.items() if k != key})
             if new_axes and key not in self.names:
-                self.names.append(key)
+                self.names = sorted([*self.names, key], key=coords.config_order)
         return extra
 
     def _include(self, models: list[str]) -> list[tuple]:

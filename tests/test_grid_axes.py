@@ -61,8 +61,8 @@ def test_adding_an_axis_or_a_value_renames_no_run():
     config["grid"]["axes"] = {"train.async_level": [0, 1], "train.lr": [3e-4, "1e-3"]}  # the run's lr is 3e-4
     after = [run.run_id for run in load_study(config).runs]
     assert set(before) <= set(after) and len(after) == 4 * len(before)
-    assert "toy-sft__k2-loss__b0.1__lr0.001__async1__s2" not in after  # ids follow grid.axes' order
-    assert "toy-sft__k2-loss__b0.1__async1__lr0.001__s2" in after
+    assert "toy-sft__k2-loss__b0.1__async1__lr0.001__s2" not in after  # ids follow the run config's order
+    assert "toy-sft__k2-loss__b0.1__lr0.001__async1__s2" in after
     assert load_study(config).run("toy-sft__none__lr0.001__s0").config["train"]["lr"] == 1e-3  # "1e-3" read as a float
 
 
@@ -121,3 +121,16 @@ def test_bad_include_and_exclude_axis_keys_name_the_entry():
     config["grid"]["include"] = [{"placement": "none", "train.async_level": -3}]
     with pytest.raises(StudyError, match=r"^grid.include\[0\].train.async_level\[0\]: must be >= 0"):
         load_study(config)
+
+
+def test_the_off_policy_studies_grids():
+    """toy_offpolicy: k1, k3 x reward, loss x async 0, 8 x ratio none, detached (not on-policy, where it
+    is exactly 1) and the baseline at both async levels, 3 seeds; paper_offpolicy: the ratio doubles
+    the loss placements and keeps the 10 ids it had before axes existed."""
+    toy = [run.run_id for run in load_study(study_config("toy_offpolicy")).runs]
+    assert len(toy) == 36 and len([i for i in toy if i.endswith("__s0")]) == 12
+    assert "toy-sft__k1-loss__b1__ratio-detached__async8__s2" in toy and "toy-sft__none__async8__s1" in toy
+    assert not any("ratio-detached" in i and "async8" not in i for i in toy)
+    paper = [run.run_id for run in load_study(study_config("paper_offpolicy")).runs]
+    assert len(paper) == 16 and len([i for i in paper if "ratio-detached" not in i]) == 10
+    assert "Qwen2.5-7B__k3-reward+loss__b0.005__ratio-detached__s0" in paper

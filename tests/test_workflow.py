@@ -161,7 +161,7 @@ def test_bad_study_config_stops_snakemake_before_any_job(tmp_path):
 
 @pytest.mark.parametrize("name, runs, checkpoint_steps", [
     ("paper", 3 * (3 * 3 * 4 + 1) * 3, 0),  # models x (estimators x placements x betas + baseline) x seeds
-    ("paper_offpolicy", 3 * 3 + 1, 4),       # evaluated at steps 50, 100, 150 and 200 too
+    ("paper_offpolicy", 3 * 3 + 6 + 1, 4),   # the KL loss ratio doubles the 6 loss placements; steps 50-200 too
 ])
 def test_paper_dry_run_lists_the_full_grid(tmp_path, name, runs, checkpoint_steps):
     start = time.perf_counter()
@@ -243,29 +243,53 @@ def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop):
 
 
 @pytest.mark.slow
-def test_reduced_toy_study_in_bundles_with_the_measured_objective(tmp_path):
-    """Two runs per training job and three evaluations per evaluation job: fewer processes, the same
-    files; every run measures its objective, and the report has the gap, the reference and the figure."""
+def test_reduced_toy_study_in_bundles_with_an_extra_axis_and_the_measured_objective(tmp_path):
+    """An async-level axis doubles the grid and keeps its first half's ids; two runs per training job and
+    three evaluations per evaluation job: fewer processes, the same files; every run measures its
+    objective; the report has the gap, the reference, the axis in rows and columns and its figures,
+    and MLflow tags every run with it."""
     config = json.loads(json.dumps(REDUCED))
+    config["grid"]["axes"] = {"train.async_level": [0, 1]}
     config["bundle"] = {"train": 2, "evaluate": 3}
     config["run"]["measure"] = {"prompts": 8, "samples": 4, "reference_samples": 8, "task_options": {"seed": 1}}
     path = write_config(tmp_path, config)
+    runs = REDUCED_RUNS + [name.replace("__s0", "__async1__s0") for name in REDUCED_RUNS]
+    dry = snakemake(tmp_path, path, "-n")
+    assert dry.returncode == 0 and not (tmp_path / "results").exists(), dry.stderr[-3000:]
+    assert all(f"results/runs/{name}/COMPLETE" in dry.stdout + dry.stderr for name in runs)
     done = snakemake(tmp_path, path)
     assert done.returncode == 0, done.stderr[-5000:]
     started = re.findall(r"^(?:local)?rule (\w+):", done.stderr, re.M)
-    assert sorted(r for r in started if r.startswith("train")) == ["train_0", "train_1"]  # 4 runs, 2 per job
-    assert sorted(r for r in started if r.startswith("evaluate")) == [f"evaluate_toy_{i}" for i in range(3)]  # 8 / 3
+    assert sorted(r for r in started if r.startswith("train")) == [f"train_{i}" for i in range(4)]  # 8 runs, 2 per job
+    assert sorted(r for r in started if r.startswith("evaluate")) == [f"evaluate_toy_{i}" for i in range(6)]  # 16 / 3
     results = tmp_path / "results"
-    for name in REDUCED_RUNS:
+    for name in runs:
         assert [m["step"] for m in read_metrics(results / "runs" / name / "metrics.jsonl")] == list(range(6))
         assert [m["step"] for m in read_metrics(results / "runs" / name / "objective.jsonl")] == [3, 6]  # every 3
         for where in ("toy", "step_3/toy"):
             scores = json.loads((results / "eval" / name / where / "metrics.json").read_text())
             assert scores["tasks"]["arith"]["n"] == 20
+    async_level = yaml.safe_load((results / "runs" / runs[-1] / "config.yaml").read_text())["train"]["async_level"]
+    assert async_level == 1
     table = (results / "tables" / "results.md").read_text()
-    assert "| toy-sft | 0.1 | reference | 1 |" in table and "objective_gap = J* - J(pi)" in table
+    assert "| toy-sft | 0.1 | - | reference | 1 |" in table and "objective_gap = J* - J(pi)" in table
+    assert re.search(r"^\| toy-sft \| 0.1 \| 1 \| k3-loss( †)? \| 1 \|", table, re.M)  # († : the tiny SFT is unstable)
+    assert "| arith (async_level=0) | arith (async_level=1) |" in (results / "tables" / "results_by_async_level.md"
+                                                                  ).read_text()
     rows = list(csv.DictReader((results / "tables" / "results.csv").open()))
     assert {r["task"] for r in rows} == {"arith", "objective_gap", "kl_to_ref", "reward"}
-    assert (results / "figures" / "reward_vs_kl_toy-sft.png").stat().st_size > 20_000
+    assert {r["train.async_level"] for r in rows} == {"0", "1", "-"}  # "-": the reference's own row
+    figures = results / "figures"
+    assert (figures / "reward_vs_kl_toy-sft_async1.png").stat().st_size > 20_000
+    assert {"accuracy_vs_async_level_toy-sft.png", "curves_toy-sft_beta0.1_async0.png",
+            "accuracy_vs_step_toy-sft_beta0.1_async1.png"} <= {p.name for p in figures.iterdir()}
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{results / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("klstudy/toy-test")
+    tags = {r.data.tags["klstudy.run_id"]: r.data.tags for r in client.search_runs([experiment.experiment_id])
+            if r.data.tags.get("klstudy.role") == "grid-point"}
+    assert {name: tags[name]["klstudy.train.async_level"] for name in runs} == {
+        name: "1" if "async1" in name else "0" for name in runs}
     again = snakemake(tmp_path, path, "-n")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
