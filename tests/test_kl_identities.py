@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from trainer import tabular
-from trainer.audit import AuditInstance, expected_gradient, gradient_audit, rel_error, target_gradients
+from trainer.audit import (
+    AuditInstance,
+    expected_gradient,
+    gradient_audit,
+    group_gradients,
+    rel_error,
+    target_gradients,
+    variance,
+)
 from trainer.objective import ObjectiveConfig
 
 TOL = 1e-6
@@ -161,13 +169,37 @@ def test_token_level_ratios_leave_longer_responses_biased_and_the_audit_says_by_
     assert two_tokens.pg_error["off-policy"] > 1e-2
 
 
-def test_audit_verdicts_agree_with_kl_theory():
+def test_audit_verdicts_agree_with_kl_theory_and_rank_the_unbiased_by_their_exact_variance():
     result = gradient_audit(vocab=3, length=2, group_size=2, seeds=(0, 1), progress=False)
     on_policy = [r for r in result.rows if r.sampling == "on-policy"]
     assert len(on_policy) == 15
     assert all(r.agrees is not False for r in on_policy), [(r.estimator, r.placement, r.verdict) for r in on_policy]
     assert sum(r.agrees is True for r in on_policy) == 10
     assert result.pg_error["on-policy"] < TOL
+    # The README's answer to "which unbiased configuration is least noisy": the same mean, k3's
+    # control variate in the loss takes most of the KL part's variance away; k1-loss's zero mean
+    # comes with noise of its own, which it adds to k1-reward.
+    var = {(r.estimator, r.placement): r.var_kl for r in on_policy if r.kl_loss_ratio == "none"}
+    assert var["k3", "reward+loss"] < var["k1", "reward"] / 2 < var["k1", "reward+loss"] / 2
+    assert var["k1", "loss"] > 0.1 and all(r.var_grad > 0 for r in result.rows)
+
+
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_group_gradients_are_the_exact_distribution_of_one_groups_gradient(off_policy):
+    """Their mean is the expected gradient (computed in one backward pass); their variance is the
+    trace of the probability-weighted covariance; sampling groups at those probabilities agrees."""
+    inst = AuditInstance.random(3, 2, seed=0)
+    config = replace(BASE, estimator="k3", placement="reward+loss")
+    grads, weights = group_gradients(inst, config, 2, off_policy)
+    assert len(weights) == 81 and float(weights.sum()) == pytest.approx(1.0, abs=1e-12)
+    mean = (weights @ grads.flatten(1)).view_as(grads[0])
+    assert rel_error(mean, expected_gradient(inst, config, 2, off_policy)) < 1e-12
+    flat = grads.flatten(1)
+    exact = variance(grads, weights)
+    assert exact == pytest.approx(float(torch.cov(flat.T, correction=0, aweights=weights).trace()), rel=1e-10)
+    draws = torch.multinomial(weights, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    sampled = flat[draws]
+    assert float(((sampled - sampled.mean(0)) ** 2).sum(-1).mean()) == pytest.approx(exact, rel=0.02)
 
 
 def test_one_token_audit_merges_coinciding_targets():

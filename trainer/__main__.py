@@ -75,7 +75,8 @@ def _run_audit(args: argparse.Namespace) -> int:
         records = audit.gradient_records(grad)
         _write_records(out / "gradient_audit.csv", records)
         (out / "gradient_audit.json").write_text(
-            json.dumps({"setup": grad.setup, "pg_error": grad.pg_error, "rows": records}, indent=2))
+            json.dumps({"setup": grad.setup, "pg_error": grad.pg_error, "pg_variance": grad.pg_variance,
+                        "rows": records}, indent=2))
         (out / "gradient_audit.md").write_text(audit.gradient_table_markdown(grad) + "\n")
         if conv is not None:
             _write_records(out / "convergence.csv", [

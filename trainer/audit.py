@@ -61,6 +61,28 @@ class AuditInstance:
         return cls(space, ref, pi, mu, rewards)
 
 
+def _group_losses(inst: AuditInstance, config: ObjectiveConfig, group_size: int, off_policy: bool,
+                  groups: Tensor | None, engine_mismatch: bool) -> tuple[Tensor, list[Tensor], Tensor]:
+    """(theta, the loss of every ordered group, each group's probability under its sampler)."""
+    space = inst.space
+    groups = space.groups(group_size) if groups is None else groups
+    theta = inst.logits.clone().requires_grad_(True)
+    logp = space.token_logp(theta)
+    ref_logp = space.token_logp(inst.ref_logits)
+    sampler_logits = inst.behaviour_logits if off_policy or engine_mismatch else inst.logits
+    sampler_token_logp = space.token_logp(sampler_logits)
+    weights = sampler_token_logp.sum(-1)[groups].sum(-1).exp()
+    mask = torch.ones(group_size, space.length, dtype=torch.float64)
+    losses = []
+    for rows in groups:
+        old = sampler_token_logp[rows] if off_policy else None
+        engine = sampler_token_logp[rows] if engine_mismatch else None
+        loss, _ = compute_loss(logp[rows], ref_logp[rows], old, inst.rewards[rows], mask, group_size, config,
+                               engine_logp=engine)
+        losses.append(loss)
+    return theta, losses, weights
+
+
 def expected_gradient(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
                       off_policy: bool, groups: Tensor | None = None, engine_mismatch: bool = False) -> Tensor:
     """E over groups sampled from pi (or mu when off_policy) of grad_theta compute_loss.
@@ -72,25 +94,25 @@ def expected_gradient(inst: AuditInstance, config: ObjectiveConfig, group_size: 
     Exact: every ordered group of `group_size` sequences is enumerated and weighted by its
     probability; sampling itself is not differentiated, as in training.
     """
-    space = inst.space
-    groups = space.groups(group_size) if groups is None else groups
-    theta = inst.logits.clone().requires_grad_(True)
-    logp = space.token_logp(theta)
-    ref_logp = space.token_logp(inst.ref_logits)
-    sampler_logits = inst.behaviour_logits if off_policy or engine_mismatch else inst.logits
-    sampler_token_logp = space.token_logp(sampler_logits)
-    group_logp = sampler_token_logp.sum(-1)[groups].sum(-1)
-    weights = group_logp.exp()
-    mask = torch.ones(group_size, space.length, dtype=torch.float64)
-    total = theta.new_zeros(())
-    for rows, weight in zip(groups, weights, strict=True):
-        old = sampler_token_logp[rows] if off_policy else None
-        engine = sampler_token_logp[rows] if engine_mismatch else None
-        loss, _ = compute_loss(logp[rows], ref_logp[rows], old, inst.rewards[rows], mask, group_size, config,
-                               engine_logp=engine)
-        total = total + weight * loss
-    (grad,) = torch.autograd.grad(total, theta)
+    theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch)
+    (grad,) = torch.autograd.grad(sum(w * loss for w, loss in zip(weights, losses, strict=True)), theta)
     return grad
+
+
+def group_gradients(inst: AuditInstance, config: ObjectiveConfig, group_size: int, off_policy: bool,
+                    groups: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The gradient of compute_loss on each ordered group, [groups, *theta], and each group's
+    probability: the exact distribution of the sampled gradient of one group."""
+    theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, False)
+    grads = [torch.autograd.grad(loss, theta, retain_graph=True)[0] for loss in losses]
+    return torch.stack(grads), weights
+
+
+def variance(grads: Tensor, weights: Tensor) -> float:
+    """Trace of the covariance of a discrete distribution of gradients: E||g||^2 - ||E g||^2."""
+    flat = grads.flatten(1)
+    mean = weights @ flat
+    return float(weights @ (flat * flat).sum(-1) - mean @ mean)
 
 
 def target_gradients(inst: AuditInstance) -> dict[str, Tensor]:
@@ -148,6 +170,8 @@ class GradientRow:
     cos_prefix_forward: float
     err_prefix_forward: float
     err_on_policy: float
+    var_grad: float  # trace of the covariance of one group's sampled gradient (mean over seeds)
+    var_kl: float    # the same of its KL part, (grad loss - grad loss without KL) / beta
     verdict: str
     theory: str
 
@@ -186,6 +210,7 @@ class GradientAudit:
     rows: list[GradientRow]
     pg_error: dict[str, float]
     setup: dict[str, object]
+    pg_variance: dict[str, float]  # the variance of one group's gradient without KL (mean over seeds)
 
 
 def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: tuple[int, ...] = (0, 1, 2),
@@ -197,22 +222,27 @@ def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: 
     configs = audit_configs()
     per_config: dict[tuple, list[dict[str, object]]] = {c: [] for c in configs}
     pg_errors: dict[str, list[float]] = {"on-policy": [], "off-policy": []}
+    pg_variances: dict[str, list[float]] = {"on-policy": [], "off-policy": []}
     space = tabular.SequenceSpace(vocab, length)
     groups = space.groups(group_size)
     bar = progress_bar(len(seeds) * (len(configs) + 2), "gradient audit", progress)
     for seed in seeds:
         inst = AuditInstance.random(vocab, length, seed)
         targets = target_gradients(inst)
-        baseline = {}
+        baseline, baseline_groups = {}, {}
         for sampling in pg_errors:
-            baseline[sampling] = expected_gradient(inst, base, group_size, sampling == "off-policy", groups)
+            grads, weights = group_gradients(inst, base, group_size, sampling == "off-policy", groups)
+            baseline[sampling], baseline_groups[sampling] = weights @ grads.flatten(1), grads
+            baseline[sampling] = baseline[sampling].view_as(grads[0])
             pg_errors[sampling].append(rel_error(baseline[sampling], -targets["reward"]))
+            pg_variances[sampling].append(variance(grads, weights))
             bar.update()
         kl_grads: dict[tuple[str, str, str, str], Tensor] = {}
         for config_key in configs:  # on-policy keys come first: off-policy rows compare with them
             sampling, estimator, placement, ratio = config_key
             config = replace(base, estimator=estimator, placement=placement, kl_loss_ratio=ratio)
-            grad = expected_gradient(inst, config, group_size, sampling == "off-policy", groups)
+            grads, weights = group_gradients(inst, config, group_size, sampling == "off-policy", groups)
+            grad = (weights @ grads.flatten(1)).view_as(grads[0])
             kl_grad = kl_grads[config_key] = (grad - baseline[sampling]) / beta
             on_policy_key = ("on-policy", estimator, placement, "none" if ratio == "detached" else ratio)
             per_config[config_key].append({
@@ -225,6 +255,8 @@ def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: 
                 "err_prefix_forward": rel_error(kl_grad, targets["per-prefix forward"]),
                 # in units of |grad KL|: the on-policy gradient itself can be exactly zero (k1-loss)
                 "err_on_policy": float((kl_grad - kl_grads[on_policy_key]).norm() / targets["unbiased"].norm()),
+                "var_grad": variance(grads, weights),
+                "var_kl": variance((grads - baseline_groups[sampling]) / beta, weights),
                 "verdict": verdict(kl_grad, targets, tol),
             })
             bar.update()
@@ -232,7 +264,8 @@ def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: 
     rows = [_aggregate_row(key, results, length) for key, results in per_config.items()]
     setup = {"vocab": vocab, "length": length, "group_size": group_size, "seeds": list(seeds),
              "beta": beta, "advantage": advantage, "tol": tol, "clip_ratio_c": clip_ratio_c}
-    return GradientAudit(rows, {k: max(v) for k, v in pg_errors.items()}, setup)
+    return GradientAudit(rows, {k: max(v) for k, v in pg_errors.items()}, setup,
+                         {k: sum(v) / len(v) for k, v in pg_variances.items()})
 
 
 def _aggregate_row(key: tuple[str, str, str, str], results: list[dict[str, object]], length: int) -> GradientRow:
@@ -241,7 +274,7 @@ def _aggregate_row(key: tuple[str, str, str, str], results: list[dict[str, objec
     verdicts = {r["verdict"] for r in results}
     theory = THEORY_ON_POLICY.get((estimator, placement, ratio), "") if sampling == "on-policy" and length > 1 else ""
     numbers = {}
-    for name in ("norm_ratio", "cos_kl", "cos_prefix_reverse", "cos_prefix_forward"):
+    for name in ("norm_ratio", "cos_kl", "cos_prefix_reverse", "cos_prefix_forward", "var_grad", "var_kl"):
         numbers[name] = sum(float(r[name]) for r in results) / len(results)
     for name in ("err_kl", "err_prefix_reverse", "err_prefix_forward", "err_on_policy"):
         numbers[name] = max(float(r[name]) for r in results)
@@ -259,19 +292,21 @@ def gradient_table_markdown(audit: GradientAudit) -> str:
         + (f", dual clip {setup['clip_ratio_c']:g}." if setup.get("clip_ratio_c") is not None else "."),
         "",
         "Policy-gradient check (no KL): relative error of E[grad loss] against -grad E[R]: "
-        + ", ".join(f"{k} {v:.2e}" for k, v in audit.pg_error.items()) + ".",
+        + ", ".join(f"{k} {v:.2e}" for k, v in audit.pg_error.items()) + "; the variance of one group's "
+        "gradient: " + ", ".join(f"{k} {v:.4f}" for k, v in audit.pg_variance.items()) + ".",
         "",
         "KL part of the expected gradient, g = (E[grad loss] - E[grad loss, no KL]) / beta, against "
         "grad KL(pi||pi_ref) (the sequence reverse KL) and the per-prefix reverse and forward KL "
         "gradients (cos = mean cosine over seeds, err = worst relative error). Off-policy rows also give "
         "the distance to the on-policy KL gradient of the same configuration (the detached weight "
         "compared with no weight), in units of abs grad KL: what the importance weighting leaves "
-        "uncorrected.",
+        "uncorrected. var = trace of the covariance of the gradient that one sampled group gives (the "
+        "noise an update averages over; mean over seeds), of the whole loss and of its KL part g.",
         "",
         "| sampling | estimator | placement | KL-loss ratio | abs g / abs grad KL | cos KL | err KL "
-        "| cos prefix-rev | err prefix-rev | cos prefix-fwd | err prefix-fwd | err vs on-policy | verdict "
-        "| KL_THEORY.md |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| cos prefix-rev | err prefix-rev | cos prefix-fwd | err prefix-fwd | err vs on-policy | var grad | var g "
+        "| verdict | KL_THEORY.md |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in audit.rows:
         mark = {True: f"{row.theory} (agrees)", False: f"{row.theory} (DISAGREES)", None: ""}[row.agrees]
@@ -280,7 +315,8 @@ def gradient_table_markdown(audit: GradientAudit) -> str:
         lines.append(
             f"| {row.sampling} | {row.estimator} | {row.placement} | {ratio} | {row.norm_ratio:.3f} "
             f"| {row.cos_kl:+.3f} | {row.err_kl:.1e} | {row.cos_prefix_reverse:+.3f} | {row.err_prefix_reverse:.1e} "
-            f"| {row.cos_prefix_forward:+.3f} | {row.err_prefix_forward:.1e} | {on_policy} | {row.verdict} | {mark} |"
+            f"| {row.cos_prefix_forward:+.3f} | {row.err_prefix_forward:.1e} | {on_policy} | {row.var_grad:.4f} "
+            f"| {row.var_kl:.3f} | {row.verdict} | {mark} |"
         )
     return "\n".join(lines)
 
