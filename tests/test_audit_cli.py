@@ -22,7 +22,7 @@ def test_audit_prints_the_table_and_writes_csv_json_markdown(tmp_path):
     assert "per-prefix forward (agrees)" in result.stdout
     assert "DISAGREES" not in result.stdout
     rows = list(csv.DictReader((tmp_path / "gradient_audit.csv").open()))
-    assert len(rows) == 15 + 21  # on-policy: 9 + 6 differentiable; off-policy: 3 reward + 18 loss rows
+    assert len(rows) == 15 + 21 + 9  # on-policy: 9 + 6 differentiable; off-policy: 3 reward + 18 loss; 9 sequence
     data = json.loads((tmp_path / "gradient_audit.json").read_text())
     assert data["setup"]["seeds"] == [0] and len(data["rows"]) == len(rows)
     verdicts = {(r["estimator"], r["placement"]): r["verdict"] for r in rows

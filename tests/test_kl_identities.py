@@ -19,7 +19,7 @@ from trainer.audit import (
     target_gradients,
     variance,
 )
-from trainer.objective import ObjectiveConfig
+from trainer.objective import ObjectiveConfig, compute_loss
 
 TOL = 1e-6
 BETA = 0.1
@@ -169,6 +169,62 @@ def test_token_level_ratios_leave_longer_responses_biased_and_the_audit_says_by_
     assert two_tokens.pg_error["off-policy"] > 1e-2
 
 
+SEQUENCE = {"pg_ratio": "sequence"}
+
+
+def sequence_kl_part(inst, estimator, placement, group_size, cap=None):
+    """The KL part of the expected gradient off-policy, under the sequence-level weights."""
+    base = replace(BASE, pg_ratio="sequence", sequence_ratio_cap=cap)
+    ratio = "none" if placement == "reward" else "sequence"
+    config = replace(base, estimator=estimator, placement=placement, kl_loss_ratio=ratio)
+    return (expected_gradient(inst, config, group_size, True) - expected_gradient(inst, base, group_size, True)) / BETA
+
+
+def test_the_sequence_ratio_makes_the_policy_gradient_exactly_unbiased_off_policy(case):
+    inst, group_size, targets = case
+    grad = expected_gradient(inst, replace(BASE, **SEQUENCE), group_size, off_policy=True)
+    assert rel_error(grad, -targets["reward"]) < 1e-10
+    token_ratios = expected_gradient(inst, BASE, group_size, off_policy=True)
+    assert rel_error(token_ratios, -targets["reward"]) > 1e-3
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("placement", ["reward", "loss", "reward+loss"])
+def test_sequence_and_prefix_ratios_give_every_configuration_its_on_policy_gradient_off_policy(
+        case, estimator, placement):
+    """Exactly, for any length: the policy gradient weighted by pi(y)/mu(y) and each KL-loss token by
+    its prefix ratio (KL_THEORY.md, "Exactly unbiased off-policy"); so k1-reward, k1-reward+loss and
+    k3-reward+loss are exactly unbiased off-policy."""
+    inst, group_size, targets = case
+    off = sequence_kl_part(inst, estimator, placement, group_size)
+    on = kl_part(inst, estimator, placement, group_size)
+    assert float((off - on).norm() / targets["unbiased"].norm()) < 1e-10  # (k1-loss's is exactly zero)
+    if (estimator, placement) in (("k1", "reward"), ("k1", "reward+loss"), ("k3", "reward+loss")):
+        assert rel_error(off, targets["unbiased"]) < TOL
+
+
+def test_truncating_the_sequence_ratios_biases_what_it_cuts(case):
+    inst, group_size, targets = case
+    assert rel_error(sequence_kl_part(inst, "k3", "reward+loss", group_size, cap=1e12), targets["unbiased"]) < TOL
+    assert rel_error(sequence_kl_part(inst, "k3", "reward+loss", group_size, cap=1.2), targets["unbiased"]) > 1e-3
+
+
+@pytest.mark.parametrize("placement", ["reward", "loss", "reward+loss"])
+def test_sequence_ratios_are_exactly_one_on_policy(placement):
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5], [-2.0, -0.2], [-1.0, -1.0]], dtype=torch.float64)
+    ref = logp - torch.tensor([[0.3, -0.2], [0.1, 0.0], [-0.4, 0.25], [0.2, -0.1]], dtype=torch.float64)
+    rewards, mask = torch.tensor([1.0, 0.0, 0.5, 1.0], dtype=torch.float64), torch.ones(4, 2, dtype=torch.float64)
+    results = []
+    for config in (replace(BASE, estimator="k3", placement=placement),
+                   replace(BASE, estimator="k3", placement=placement, kl_loss_ratio="sequence", **SEQUENCE)):
+        theta = logp.clone().requires_grad_()
+        loss, stats = compute_loss(theta, ref, None, rewards, mask, 2, config)
+        loss.backward()
+        results.append((loss.detach(), theta.grad, stats))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert results[1][2]["seq_ratio_mean"] == 1.0 and results[1][2]["seq_ratio_max"] == 1.0
+
+
 def test_audit_verdicts_agree_with_kl_theory_and_rank_the_unbiased_by_their_exact_variance():
     result = gradient_audit(vocab=3, length=2, group_size=2, seeds=(0, 1), progress=False)
     on_policy = [r for r in result.rows if r.sampling == "on-policy"]
@@ -179,6 +235,12 @@ def test_audit_verdicts_agree_with_kl_theory_and_rank_the_unbiased_by_their_exac
     # The README's answer to "which unbiased configuration is least noisy": the same mean, k3's
     # control variate in the loss takes most of the KL part's variance away; k1-loss's zero mean
     # comes with noise of its own, which it adds to k1-reward.
+    sequence = [r for r in result.rows if r.pg_ratio == "sequence"]
+    assert len(sequence) == 9 and all(r.agrees for r in sequence), [(r.estimator, r.placement, r.verdict)
+                                                                   for r in sequence]
+    assert {(r.estimator, r.placement) for r in sequence if r.verdict == "unbiased"} == {
+        ("k1", "reward"), ("k1", "reward+loss"), ("k3", "reward+loss")}
+    assert result.pg_error["off-policy, sequence ratio"] < TOL < result.pg_error["off-policy"]
     var = {(r.estimator, r.placement): r.var_kl for r in on_policy if r.kl_loss_ratio == "none"}
     assert var["k3", "reward+loss"] < var["k1", "reward"] / 2 < var["k1", "reward+loss"] / 2
     assert var["k1", "loss"] > 0.1 and all(r.var_grad > 0 for r in result.rows)

@@ -65,7 +65,7 @@ def test_placement_none_ignores_beta():
 
 
 INERT_ALTERNATIVES = {"estimator": "k2", "beta": 5.0, "kl_loss_ratio": "differentiable", "grpo_scale": False,
-                      "norm_length": 7, "clip_eps_high": 0.5, "clip_eps": 0.1}
+                      "norm_length": 7, "clip_eps_high": 0.5, "clip_eps": 0.1, "sequence_ratio_cap": 1.5}
 
 
 @pytest.mark.parametrize("placement", ["none", "reward", "loss", "reward+loss"])
@@ -216,7 +216,7 @@ def test_the_statistics_of_a_batch_split_into_parts_are_the_whole_batchs(tis_cap
     ({"advantage": "ppo"}, r"ObjectiveConfig.advantage: 'ppo' is not one of rloo, grpo, drgrpo, reinforce"),
     ({"loss_agg": "sum"}, r"ObjectiveConfig.loss_agg"),
     ({"kl_loss_ratio": "clipped"},
-     r"ObjectiveConfig.kl_loss_ratio: 'clipped' is not one of none, detached, differentiable"),
+     r"ObjectiveConfig.kl_loss_ratio: 'clipped' is not one of none, detached, differentiable, sequence"),
     ({"beta": -0.1}, r"ObjectiveConfig.beta: must be a finite number >= 0"),
     ({"beta": float("nan")}, r"ObjectiveConfig.beta"),
     ({"beta": "0.1"}, r"ObjectiveConfig.beta: must be a number"),
@@ -224,6 +224,10 @@ def test_the_statistics_of_a_batch_split_into_parts_are_the_whole_batchs(tis_cap
     ({"clip_eps": 0.0}, r"ObjectiveConfig.clip_eps"),
     ({"clip_eps": 1.5}, r"ObjectiveConfig.clip_eps: must be < 1"),
     ({"clip_eps_high": 0.3}, r"ObjectiveConfig.clip_eps_high: set clip_eps too"),
+    ({"pg_ratio": "prefix"}, r"ObjectiveConfig.pg_ratio: 'prefix' is not one of token, sequence"),
+    ({"pg_ratio": "sequence", "clip_eps": 0.2}, r"ObjectiveConfig.clip_eps: clips token ratios, and pg_ratio sequence"),
+    ({"pg_ratio": "sequence", "clip_ratio_c": 3.0}, r"ObjectiveConfig.clip_ratio_c: clips token ratios"),
+    ({"sequence_ratio_cap": 0.5}, r"ObjectiveConfig.sequence_ratio_cap: must be None or a number >= 1"),
 ])
 def test_bad_config_values_give_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import math
 import os
 import random
 import signal
@@ -237,6 +238,23 @@ def test_minibatches_and_epochs_make_several_off_policy_updates_per_batch(warm_m
     assert seen[0][2] < 1e-4  # recomputed by the trainer: the first update starts at ratio 1
     assert seen[2][2] > 1e-6  # after two updates the policy has moved: a real off-policy ratio
     assert 0.0 <= line["clip_frac"] <= 1.0
+
+
+def test_training_with_sequence_level_weights_off_policy(warm_model, tmp_path):
+    """pg_ratio and kl_loss_ratio sequence, on rollouts two steps stale: the weights move off 1, every
+    update is finite, and a cap truncates some of them."""
+    config = run_config.load(None, overrides(warm_model, **{
+        "train.async_level": 2, "train.steps": 5, "objective.pg_ratio": "sequence",
+        "objective.kl_loss_ratio": "sequence", "objective.sequence_ratio_cap": 1.02}))
+    run = Run(config, tmp_path / "sequence")
+    lines = [run.run_step() for _ in range(5)]
+    run.verifier.close()
+    stale = lines[1:]  # steps 0-2 train on the initial policy's rollouts: only step 0's are fresh
+    assert lines[0]["seq_ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # the engine's log-probs, not exactly 1
+    assert any(abs(line["seq_ratio_max"] - 1.0) > 1e-4 or line["seq_ratio_min"] < 1 - 1e-4 for line in stale)
+    assert all(line["seq_ratio_max"] <= 1.02 + 1e-9 for line in lines)
+    assert any(line["seq_ratio_truncated_frac"] > 0 for line in stale)
+    assert all(math.isfinite(line["loss"]) and not line.get("skipped_updates") for line in lines)
 
 
 def test_tis_against_an_exact_engine_weights_every_token_by_one(warm_model, tmp_path):

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from trainer import kl, tabular
-from trainer.objective import KL_LOSS_RATIOS, PLACEMENTS, ObjectiveConfig, compute_loss
+from trainer.objective import PLACEMENTS, ObjectiveConfig, compute_loss
 from trainer.progress import progress_bar
 
 # KL_THEORY.md's statements, on-policy, for responses longer than one token:
@@ -162,6 +162,7 @@ class GradientRow:
     estimator: str
     placement: str
     kl_loss_ratio: str
+    pg_ratio: str
     norm_ratio: float
     cos_kl: float
     err_kl: float
@@ -183,24 +184,41 @@ class GradientRow:
         return self.theory in self.verdict.split(" = ")
 
 
-def audit_configs() -> list[tuple[str, str, str, str]]:
-    """(sampling, estimator, placement, kl_loss_ratio) for every audited configuration.
+def audit_configs() -> list[tuple[str, str, str, str, str]]:
+    """(sampling, estimator, placement, kl_loss_ratio, pg_ratio) for every audited configuration.
 
-    The KL-loss weighting only matters for placements with a KL loss. On-policy the detached
-    weight is exactly the unweighted loss (tested), so only the differentiable one gets rows there.
+    The KL-loss weighting only matters for placements with a KL loss. On-policy the detached and
+    sequence weights are exactly the unweighted loss (tested), so only the differentiable one gets
+    rows there. Off-policy, the token-level weightings with PPO's token ratios (what the libraries
+    do), then the sequence-level ones: the sequence ratio on the policy gradient and the prefix
+    ratio on each KL-loss token.
     """
     rows = []
-    for sampling in ("on-policy", "off-policy"):
-        for estimator in kl.ESTIMATORS:
-            for placement in PLACEMENTS[1:]:
-                if placement == "reward":
-                    ratios: tuple[str, ...] = ("none",)
-                elif sampling == "on-policy":
-                    ratios = ("none", "differentiable")
-                else:
-                    ratios = KL_LOSS_RATIOS
-                rows.extend((sampling, estimator, placement, ratio) for ratio in ratios)
+    for estimator in kl.ESTIMATORS:
+        for placement in PLACEMENTS[1:]:
+            ratios = ("none",) if placement == "reward" else ("none", "differentiable")
+            rows.extend(("on-policy", estimator, placement, ratio, "token") for ratio in ratios)
+    for estimator in kl.ESTIMATORS:
+        for placement in PLACEMENTS[1:]:
+            ratios = ("none",) if placement == "reward" else ("none", "detached", "differentiable")
+            rows.extend(("off-policy", estimator, placement, ratio, "token") for ratio in ratios)
+    for estimator in kl.ESTIMATORS:
+        for placement in PLACEMENTS[1:]:
+            rows.append(("off-policy", estimator, placement, "none" if placement == "reward" else "sequence",
+                         "sequence"))
     return rows
+
+
+def theory_of(sampling: str, estimator: str, placement: str, ratio: str, pg_ratio: str, length: int) -> str:
+    """KL_THEORY.md's verdict for a row ('' where it says nothing): the on-policy table, which the
+    sequence-level weights make hold off-policy too (KL_THEORY.md, "Exactly unbiased off-policy")."""
+    if length < 2:
+        return ""
+    if sampling == "on-policy":
+        return THEORY_ON_POLICY.get((estimator, placement, ratio), "")
+    if pg_ratio == "sequence" and (placement == "reward" or ratio == "sequence"):
+        return THEORY_ON_POLICY[(estimator, placement, "none")]
+    return ""
 
 
 @dataclass(frozen=True)
@@ -219,32 +237,35 @@ def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: 
     """Run the exact gradient audit for every configuration on every seed (with `clip_ratio_c`, under
     the dual clip: what it changes shows in the off-policy rows)."""
     base = ObjectiveConfig(placement="none", beta=beta, advantage=advantage, clip_ratio_c=clip_ratio_c)
+    bases = {"token": base, "sequence": replace(base, pg_ratio="sequence", clip_ratio_c=None)}  # no token clip
     configs = audit_configs()
     per_config: dict[tuple, list[dict[str, object]]] = {c: [] for c in configs}
-    pg_errors: dict[str, list[float]] = {"on-policy": [], "off-policy": []}
-    pg_variances: dict[str, list[float]] = {"on-policy": [], "off-policy": []}
+    samplings = {"on-policy": ("on-policy", "token"), "off-policy": ("off-policy", "token"),
+                 "off-policy, sequence ratio": ("off-policy", "sequence")}
+    pg_errors: dict[str, list[float]] = {name: [] for name in samplings}
+    pg_variances: dict[str, list[float]] = {name: [] for name in samplings}
     space = tabular.SequenceSpace(vocab, length)
     groups = space.groups(group_size)
-    bar = progress_bar(len(seeds) * (len(configs) + 2), "gradient audit", progress)
+    bar = progress_bar(len(seeds) * (len(configs) + len(samplings)), "gradient audit", progress)
     for seed in seeds:
         inst = AuditInstance.random(vocab, length, seed)
         targets = target_gradients(inst)
         baseline, baseline_groups = {}, {}
-        for sampling in pg_errors:
-            grads, weights = group_gradients(inst, base, group_size, sampling == "off-policy", groups)
-            baseline[sampling], baseline_groups[sampling] = weights @ grads.flatten(1), grads
-            baseline[sampling] = baseline[sampling].view_as(grads[0])
-            pg_errors[sampling].append(rel_error(baseline[sampling], -targets["reward"]))
-            pg_variances[sampling].append(variance(grads, weights))
+        for name, key in samplings.items():
+            grads, weights = group_gradients(inst, bases[key[1]], group_size, key[0] == "off-policy", groups)
+            baseline[key], baseline_groups[key] = (weights @ grads.flatten(1)).view_as(grads[0]), grads
+            pg_errors[name].append(rel_error(baseline[key], -targets["reward"]))
+            pg_variances[name].append(variance(grads, weights))
             bar.update()
-        kl_grads: dict[tuple[str, str, str, str], Tensor] = {}
+        kl_grads: dict[tuple[str, str, str, str, str], Tensor] = {}
         for config_key in configs:  # on-policy keys come first: off-policy rows compare with them
-            sampling, estimator, placement, ratio = config_key
-            config = replace(base, estimator=estimator, placement=placement, kl_loss_ratio=ratio)
+            sampling, estimator, placement, ratio, pg_ratio = config_key
+            config = replace(bases[pg_ratio], estimator=estimator, placement=placement, kl_loss_ratio=ratio)
             grads, weights = group_gradients(inst, config, group_size, sampling == "off-policy", groups)
             grad = (weights @ grads.flatten(1)).view_as(grads[0])
-            kl_grad = kl_grads[config_key] = (grad - baseline[sampling]) / beta
-            on_policy_key = ("on-policy", estimator, placement, "none" if ratio == "detached" else ratio)
+            kl_grad = kl_grads[config_key] = (grad - baseline[sampling, pg_ratio]) / beta
+            on_policy_key = ("on-policy", estimator, placement,
+                             "none" if ratio in ("detached", "sequence") else ratio, "token")
             per_config[config_key].append({
                 "norm_ratio": float(kl_grad.norm() / targets["unbiased"].norm()),
                 "cos_kl": cosine(kl_grad, targets["unbiased"]),
@@ -256,7 +277,7 @@ def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: 
                 # in units of |grad KL|: the on-policy gradient itself can be exactly zero (k1-loss)
                 "err_on_policy": float((kl_grad - kl_grads[on_policy_key]).norm() / targets["unbiased"].norm()),
                 "var_grad": variance(grads, weights),
-                "var_kl": variance((grads - baseline_groups[sampling]) / beta, weights),
+                "var_kl": variance((grads - baseline_groups[sampling, pg_ratio]) / beta, weights),
                 "verdict": verdict(kl_grad, targets, tol),
             })
             bar.update()
@@ -268,18 +289,20 @@ def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: 
                          {k: sum(v) / len(v) for k, v in pg_variances.items()})
 
 
-def _aggregate_row(key: tuple[str, str, str, str], results: list[dict[str, object]], length: int) -> GradientRow:
-    """Mean cosines, worst relative errors, and the verdict if every seed agrees ('mixed' if not)."""
-    sampling, estimator, placement, ratio = key
+def _aggregate_row(key: tuple[str, str, str, str, str], results: list[dict[str, object]],
+                   length: int) -> GradientRow:
+    """Mean cosines and variances, worst relative errors, and the verdict if every seed agrees
+    ('mixed' if not)."""
+    sampling, estimator, placement, ratio, pg_ratio = key
     verdicts = {r["verdict"] for r in results}
-    theory = THEORY_ON_POLICY.get((estimator, placement, ratio), "") if sampling == "on-policy" and length > 1 else ""
+    theory = theory_of(sampling, estimator, placement, ratio, pg_ratio, length)
     numbers = {}
     for name in ("norm_ratio", "cos_kl", "cos_prefix_reverse", "cos_prefix_forward", "var_grad", "var_kl"):
         numbers[name] = sum(float(r[name]) for r in results) / len(results)
     for name in ("err_kl", "err_prefix_reverse", "err_prefix_forward", "err_on_policy"):
         numbers[name] = max(float(r[name]) for r in results)
-    return GradientRow(sampling, estimator, placement, ratio, verdict=verdicts.pop() if len(verdicts) == 1 else "mixed",
-                       theory=theory, **numbers)
+    return GradientRow(sampling, estimator, placement, ratio, pg_ratio,
+                       verdict=verdicts.pop() if len(verdicts) == 1 else "mixed", theory=theory, **numbers)
 
 
 def gradient_table_markdown(audit: GradientAudit) -> str:
@@ -300,20 +323,22 @@ def gradient_table_markdown(audit: GradientAudit) -> str:
         "gradients (cos = mean cosine over seeds, err = worst relative error). Off-policy rows also give "
         "the distance to the on-policy KL gradient of the same configuration (the detached weight "
         "compared with no weight), in units of abs grad KL: what the importance weighting leaves "
-        "uncorrected. var = trace of the covariance of the gradient that one sampled group gives (the "
+        "uncorrected. PG ratio: the policy gradient's importance weight, PPO's token ratio or the "
+        "sequence ratio pi(y)/mu(y) (with it, each KL-loss token takes its prefix ratio: KL-loss ratio "
+        "`sequence`). var = trace of the covariance of the gradient that one sampled group gives (the "
         "noise an update averages over; mean over seeds), of the whole loss and of its KL part g.",
         "",
-        "| sampling | estimator | placement | KL-loss ratio | abs g / abs grad KL | cos KL | err KL "
+        "| sampling | estimator | placement | KL-loss ratio | PG ratio | abs g / abs grad KL | cos KL | err KL "
         "| cos prefix-rev | err prefix-rev | cos prefix-fwd | err prefix-fwd | err vs on-policy | var grad | var g "
         "| verdict | KL_THEORY.md |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in audit.rows:
         mark = {True: f"{row.theory} (agrees)", False: f"{row.theory} (DISAGREES)", None: ""}[row.agrees]
         ratio = row.kl_loss_ratio if row.placement != "reward" else "-"
         on_policy = f"{row.err_on_policy:.1e}" if row.sampling == "off-policy" else "-"
         lines.append(
-            f"| {row.sampling} | {row.estimator} | {row.placement} | {ratio} | {row.norm_ratio:.3f} "
+            f"| {row.sampling} | {row.estimator} | {row.placement} | {ratio} | {row.pg_ratio} | {row.norm_ratio:.3f} "
             f"| {row.cos_kl:+.3f} | {row.err_kl:.1e} | {row.cos_prefix_reverse:+.3f} | {row.err_prefix_reverse:.1e} "
             f"| {row.cos_prefix_forward:+.3f} | {row.err_prefix_forward:.1e} | {on_policy} | {row.var_grad:.4f} "
             f"| {row.var_kl:.3f} | {row.verdict} | {mark} |"

@@ -7,14 +7,16 @@ one implementation.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from trainer import advantages, kl
-from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PLACEMENTS
+from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, PLACEMENTS
 from trainer.objective_config import ObjectiveConfig
 
-__all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PLACEMENTS", "ObjectiveConfig", "aggregate", "combine_stats",
+__all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PG_RATIOS", "PLACEMENTS", "ObjectiveConfig", "aggregate", "combine_stats",
            "compute_loss"]
 
 # How combine_stats pools each statistic over a batch's parts (micro-batches, processes):
@@ -23,7 +25,8 @@ SUMMED_STATS = ("loss", "loss_pg", "loss_kl", "kl_clamped_tokens")
 # a mean over response tokens is weighted by the part's tokens (`_tokens`); every other mean, over
 # rows, by its rows (`_rows`); adv_std is pooled from the parts' means and mean squares. Keys that
 # start with "_" are these weights: combine_stats consumes them.
-TOKEN_MEAN_STATS = ("ratio_mean", "clip_frac", "dual_clip_frac", "entropy", "tis_weight_mean", "tis_truncated_frac")
+TOKEN_MEAN_STATS = ("ratio_mean", "clip_frac", "dual_clip_frac", "entropy", "tis_weight_mean", "tis_truncated_frac",
+                    "seq_ratio_truncated_frac")
 
 
 def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int | None = None,
@@ -107,7 +110,13 @@ def compute_loss(
 
     ratio = torch.exp(logp_c - old)
     adv_t = adv.unsqueeze(-1)
-    pg, clipped, dual_clipped = _policy_gradient_term(logp_c - old, adv_t, config)
+    sequence = _sequence_ratios(logp_c, old, maskf, config) if _uses_sequence_ratios(config) else None
+    if config.pg_ratio == "sequence":
+        # sg(w) * A * grad log pi_t on every token: E_mu[w A sum_t grad log pi_t] = grad E_pi[R]
+        pg = -sequence[0].unsqueeze(-1) * torch.exp(logp_c - logp_c.detach()) * adv_t
+        clipped, dual_clipped = torch.zeros_like(pg, dtype=torch.bool), None
+    else:
+        pg, clipped, dual_clipped = _policy_gradient_term(logp_c - old, adv_t, config)
     tis = None
     if config.tis_cap is not None:
         # old / mu_engine, truncated: a non-negative constant per token, so it scales the clipped term as is
@@ -118,7 +127,8 @@ def compute_loss(
     loss = loss_pg
     loss_kl = torch.zeros((), dtype=dtype, device=logp.device)
     if config.kl_in_loss:
-        weight = {"none": None, "detached": ratio.detach(), "differentiable": ratio}[config.kl_loss_ratio]
+        weight = {"none": None, "detached": ratio.detach(), "differentiable": ratio,
+                  "sequence": sequence[1] if sequence else None}[config.kl_loss_ratio]
         kl_term = estimate if weight is None else weight * estimate
         loss_kl = config.beta * aggregate(kl_term, maskf, config.loss_agg, config.norm_length, totals)
         loss = loss + loss_kl
@@ -128,7 +138,25 @@ def compute_loss(
         stats["dual_clip_frac"] = float((dual_clipped & maskf.bool()).sum() / maskf.sum().clamp(min=1))
     if tis is not None:
         stats.update(_tis_stats(tis, maskf, config.tis_cap))
+    if sequence is not None:
+        stats.update(_sequence_stats(*sequence, maskf, config.sequence_ratio_cap))
     return loss, stats
+
+
+def _uses_sequence_ratios(config: ObjectiveConfig) -> bool:
+    return config.pg_ratio == "sequence" or (config.kl_in_loss and config.kl_loss_ratio == "sequence")
+
+
+def _sequence_ratios(logp: Tensor, old: Tensor, maskf: Tensor, config: ObjectiveConfig) -> tuple[Tensor, Tensor]:
+    """Detached importance weights of whole responses, w = pi(y) / mu(y) [B], and of their prefixes,
+    w_t = prod_{u<=t} pi_u / mu_u [B, T] (1 on-policy, where old is logp itself), each truncated at
+    sequence_ratio_cap when set. Not clamped otherwise: a weight that overflows makes the update
+    non-finite, and the loop skips it and counts it."""
+    prefix_log = torch.cumsum((logp.detach() - old) * maskf, dim=-1)
+    if config.sequence_ratio_cap is not None:
+        prefix_log = prefix_log.clamp(max=math.log(config.sequence_ratio_cap))
+    prefix = prefix_log.exp()
+    return prefix[:, -1], prefix
 
 
 def _policy_gradient_term(log_ratio: Tensor, adv_t: Tensor, config: ObjectiveConfig
@@ -191,6 +219,19 @@ def _stats(logp: Tensor, ref_logp: Tensor, rewards: Tensor, shaped: Tensor, adv:
     }
     numbers = torch.stack([v.to(maskf.dtype) for v in values.values()]).tolist()
     return dict(zip(values, numbers, strict=True))
+
+
+@torch.no_grad()
+def _sequence_stats(sequence: Tensor, prefix: Tensor, maskf: Tensor, cap: float | None) -> dict[str, float]:
+    """The sequence ratios' spread (their variance is what exact unbiasedness costs), and how many
+    prefix ratios the cap truncated."""
+    tokens = maskf.bool()
+    stats = {"seq_ratio_mean": float(sequence.mean()), "seq_ratio_max": float(sequence.max()),
+             "seq_ratio_min": float(sequence.min())}
+    if cap is not None:
+        cut = (prefix >= cap) & tokens
+        stats["seq_ratio_truncated_frac"] = float(cut.sum() / tokens.sum().clamp(min=1))
+    return stats
 
 
 @torch.no_grad()

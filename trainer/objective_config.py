@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from trainer.choices import ADVANTAGES, ESTIMATORS, KL_LOSS_RATIOS, LOSS_AGGS, PLACEMENTS
+from trainer.choices import ADVANTAGES, ESTIMATORS, KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, PLACEMENTS
 
 
 def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
@@ -48,6 +48,19 @@ class ObjectiveConfig:
                     differentiable  beta * rho * k          DeepSeek-V3.2 / TRL
                                                             use_bias_correction_kl; NOT a no-op
                                                             on-policy (turns k3 into k2)
+                    sequence        beta * sg(w_t) * k_t    w_t = prod_{u<=t} rho_u, the prefix
+                                                            ratio: exactly the on-policy meaning
+                                                            for any length (token ratios are not)
+    pg_ratio        how the policy-gradient term corrects for samples of mu:
+                    token           PPO's per-token ratio rho_t (clipped with clip_eps): what the
+                                    RL libraries do; biased for responses of more than one token
+                    sequence        the detached sequence ratio w = pi(y) / mu(y) on every token's
+                                    score, sg(w) * A * grad log pi_t: exactly unbiased (REINFORCE
+                                    with importance sampling). No clip_eps / clip_ratio_c (they clip
+                                    token ratios): bound the weights with sequence_ratio_cap
+    sequence_ratio_cap  truncates the sequence and prefix ratios at this value (>= 1, so on-policy
+                    weights of 1 are untouched): bounds their variance, which grows with the
+                    response length, at the price of bias wherever a weight is cut. None = exact
     tis_cap         truncated importance sampling of the policy-gradient term against the
                     rollout engine: each token's term is weighted by
                     sg(min(pi_old / mu_engine, tis_cap)), where mu_engine is the distribution the
@@ -69,6 +82,8 @@ class ObjectiveConfig:
     clip_ratio_c: float | None = None
     kl_loss_ratio: str = "none"
     tis_cap: float | None = None
+    pg_ratio: str = "token"
+    sequence_ratio_cap: float | None = None
 
     def __post_init__(self) -> None:
         _choice("estimator", self.estimator, ESTIMATORS)
@@ -76,6 +91,7 @@ class ObjectiveConfig:
         _choice("advantage", self.advantage, ADVANTAGES)
         _choice("loss_agg", self.loss_agg, LOSS_AGGS)
         _choice("kl_loss_ratio", self.kl_loss_ratio, KL_LOSS_RATIOS)
+        _choice("pg_ratio", self.pg_ratio, PG_RATIOS)
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
             raise ValueError(f"ObjectiveConfig.beta: must be a number, got {self.beta!r}")
         if not self.beta >= 0 or self.beta == float("inf"):
@@ -99,6 +115,14 @@ class ObjectiveConfig:
             raise ValueError(f"ObjectiveConfig.clip_eps: must be < 1, got {self.clip_eps}")
         if self.clip_eps_high is not None and self.clip_eps is None:
             raise ValueError("ObjectiveConfig.clip_eps_high: set clip_eps too (clip_eps_high only widens it)")
+        if self.pg_ratio == "sequence":
+            for key in ("clip_eps", "clip_ratio_c"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"ObjectiveConfig.{key}: clips token ratios, and pg_ratio sequence weights whole "
+                                     "sequences; bound those weights with sequence_ratio_cap instead")
+        cap = self.sequence_ratio_cap
+        if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap >= 1):
+            raise ValueError(f"ObjectiveConfig.sequence_ratio_cap: must be None or a number >= 1, got {cap!r}")
 
     @property
     def kl_in_reward(self) -> bool:
@@ -111,7 +135,7 @@ class ObjectiveConfig:
     def inert_fields(self) -> frozenset[str]:
         """The fields this objective never reads: without a KL term its estimator, beta and ratio;
         with the KL only in the reward, the KL loss term's ratio; grpo_scale outside grpo;
-        norm_length outside its aggregation. A study crosses an axis
+        norm_length outside its aggregation; sequence_ratio_cap without a sequence ratio. A study crosses an axis
         only where it is not inert, so that no two of its runs compute the same thing."""
         inert = set()
         if self.placement == "none":
@@ -122,6 +146,8 @@ class ObjectiveConfig:
             inert.add("grpo_scale")
         if self.loss_agg != "seq-mean-token-sum-norm":
             inert.add("norm_length")
+        if self.pg_ratio != "sequence" and (self.kl_loss_ratio != "sequence" or not self.kl_in_loss):
+            inert.add("sequence_ratio_cap")
         return frozenset(inert)
 
     @classmethod
