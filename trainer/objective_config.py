@@ -56,8 +56,10 @@ class ObjectiveConfig:
                                     RL libraries do; biased for responses of more than one token
                     sequence        the detached sequence ratio w = pi(y) / mu(y) on every token's
                                     score, sg(w) * A * grad log pi_t: exactly unbiased (REINFORCE
-                                    with importance sampling). No clip_eps / clip_ratio_c (they clip
-                                    token ratios): bound the weights with sequence_ratio_cap
+                                    with importance sampling) when the advantage's baseline is a
+                                    mean of rewards (not grpo's std scaling). No clip_eps /
+                                    clip_ratio_c (they clip token ratios): bound the weights with
+                                    sequence_ratio_cap
     sequence_ratio_cap  truncates the sequence and prefix ratios at this value (>= 1, so on-policy
                     weights of 1 are untouched): bounds their variance, which grows with the
                     response length, at the price of bias wherever a weight is cut. None = exact
