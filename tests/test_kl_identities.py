@@ -203,6 +203,18 @@ def test_sequence_and_prefix_ratios_give_every_configuration_its_on_policy_gradi
         assert rel_error(off, targets["unbiased"]) < TOL
 
 
+@pytest.mark.parametrize("advantage, grpo_scale, exact", [
+    ("rloo", True, True), ("drgrpo", True, True), ("reinforce", True, True), ("grpo", False, True),
+    ("grpo", True, False)])
+def test_sequence_weights_are_exact_with_advantages_whose_baseline_is_a_mean(advantage, grpo_scale, exact):
+    """A sample's weight corrects its own distribution only; a baseline that is a mean of the group's
+    rewards keeps E_mu[w_i A_i grad log pi_i] equal to its on-policy value, GRPO's std scaling does not."""
+    inst = AuditInstance.random(3, 2, seed=0)
+    config = replace(BASE, estimator="k3", placement="reward+loss", advantage=advantage, grpo_scale=grpo_scale)
+    off = expected_gradient(inst, replace(config, kl_loss_ratio="sequence", **SEQUENCE), 2, off_policy=True)
+    assert (rel_error(off, expected_gradient(inst, config, 2, off_policy=False)) < 1e-10) == exact
+
+
 def test_truncating_the_sequence_ratios_biases_what_it_cuts(case):
     inst, group_size, targets = case
     assert rel_error(sequence_kl_part(inst, "k3", "reward+loss", group_size, cap=1e12), targets["unbiased"]) < TOL
