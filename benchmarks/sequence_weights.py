@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from trainer.audit import AuditInstance, group_gradients, rel_error, target_gradients, variance
+from trainer.audit import AuditInstance, expectation, group_gradients, rel_error, target_gradients, variance
 from trainer.objective import ObjectiveConfig
 
 BETA, GROUP = 0.1, 2
@@ -37,8 +37,7 @@ def kl_part(inst: AuditInstance, config: ObjectiveConfig, off_policy: bool) -> t
     grads, weights = group_gradients(inst, config, GROUP, off_policy)
     base, _ = group_gradients(inst, replace(config, placement="none"), GROUP, off_policy)
     parts = (grads - base) / BETA
-    mean = (weights @ parts.flatten(1)).view_as(parts[0])
-    return rel_error(mean, target_gradients(inst)["unbiased"]), variance(parts, weights)
+    return rel_error(expectation(parts, weights), target_gradients(inst)["unbiased"]), variance(parts, weights)
 
 
 def main() -> None:

@@ -61,9 +61,25 @@ def id_part(key: str, value: Any) -> str:
 
 
 def header(key: str, keys: list[str]) -> str:
-    """An axis's column header: its last part, unless two axes share it."""
+    """An extra axis's column header: its last part, unless two axes share it."""
     short = key.rsplit(".", 1)[-1]
     return short if sum(k.rsplit(".", 1)[-1] == short for k in keys) == 1 else key
+
+
+def heading(axis: str, extra: list[str]) -> str:
+    """Any axis's name in tables and figures: model, beta, ...; an extra axis's `header`."""
+    return axis if axis in STANDARD else header(axis, extra)
+
+
+def extra_of(coords: dict[str, Any]) -> list[str]:
+    """The extra axes of a coordinate mapping, in its order."""
+    return [key for key in coords if key not in STANDARD]
+
+
+def covers(coords: dict[str, Any], point: dict[str, Any]) -> bool:
+    """Whether a run at `coords` belongs at `point`: equal wherever it uses the axis (a coordinate it
+    does not use, None, belongs at every value)."""
+    return all(coords[k] is None or same_value(coords[k], v) for k, v in point.items())
 
 
 def lookup(config: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -174,7 +190,7 @@ def _order(value: Any) -> tuple:
 
 def sort_key(coords: dict[str, Any]) -> tuple:
     """Model, then beta (the no-KL baseline last), the extra axes, estimator and placement, seed."""
-    extra = tuple(_order(coords[key]) for key in coords if key not in STANDARD)
+    extra = tuple(_order(coords[key]) for key in extra_of(coords))
     kl = coords["placement"] != "none"
     return (coords["model"], 0 if kl else 1, float(coords["beta"] or 0.0) if kl else 0.0, extra,
             ESTIMATOR_ORDER.get(coords["estimator"], 9), PLACEMENT_ORDER.get(coords["placement"], 9),

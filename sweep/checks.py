@@ -50,6 +50,13 @@ def nested(key: str, value: Any) -> dict[str, Any]:
     return value
 
 
+def with_keys(base: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """`base` with each dotted key of `values` set to its value; neither input is changed."""
+    for key, value in values.items():
+        base = merge(base, nested(key, value))
+    return base
+
+
 def number(value: Any, key: str, integer: bool = False, minimum: float | None = None) -> Any:
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, str) and not integer:  # YAML 1.1 reads 1e-4 (no dot) as a string

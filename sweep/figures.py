@@ -18,7 +18,7 @@ import numpy as np
 
 from sweep import axes
 from sweep.runs import RunRecord
-from sweep.table import OBJECTIVE_COLUMNS, REFERENCE, Group
+from sweep.table import OBJECTIVE_COLUMNS, REFERENCE, Group, extra_axes
 from trainer.optimum import frontier, optimal_kl, optimal_reward, optimal_value, reference_value
 
 CURVES = ("reward_mean", "kl_k3", "entropy", "response_length")
@@ -72,11 +72,6 @@ def _extra(records: list[RunRecord]) -> list[str]:
     return list(records[0].extra_axes) if records else []
 
 
-def _matches(coords: dict[str, Any], point: dict[str, Any]) -> bool:
-    """Whether a run belongs at a point of the extra axes: equal where it uses the axis."""
-    return all(coords[k] is None or axes.same_value(coords[k], v) for k, v in point.items())
-
-
 def _points(runs: list[RunRecord], extra: list[str]) -> list[dict[str, Any]]:
     """The points of the extra axes where some run of `runs` is (a run that does not use an axis, such
     as k1-reward and the KL loss ratio, belongs at each of its values, but makes no point of its own)."""
@@ -111,10 +106,10 @@ def _panels(records: list[RunRecord], keep=lambda record: True) -> list[tuple[st
         for beta in sorted({float(r.coords["beta"]) for r in kl}):
             at_beta = [r for r in kl if float(r.coords["beta"]) == beta]
             for point in _points(at_beta, extra):
-                members = sorted([r for r in at_beta if _matches(r.coords, point)],
+                members = sorted([r for r in at_beta if axes.covers(r.coords, point)],
                                  key=lambda r: axes.sort_key(r.coords))
-                baseline = [r for r in mine if r.coords["placement"] == "none" and _matches(r.coords, point)]
-                panels.append((model, format(beta, "g"), point, members, baseline))
+                baseline = [r for r in mine if r.coords["placement"] == "none" and axes.covers(r.coords, point)]
+                panels.append((model, axes.value_text(beta), point, members, baseline))
     return panels
 
 
@@ -158,7 +153,7 @@ def curves_figures(records: list[RunRecord], out: Path) -> list[Path]:
 def _numeric_axes(groups: list[Group]) -> list[str]:
     """The axes with at least two numeric values (beta, an async level, a learning rate)."""
     found = []
-    for axis in [k for k in (groups[0].coords if groups else {}) if k not in ("model", "estimator", "placement")]:
+    for axis in ["beta", *extra_axes(groups)] if groups else []:
         values = {g.coords[axis] for g in groups if not g.reference and g.coords[axis] is not None
                   and not isinstance(g.coords[axis], (list, dict))}
         if len(values) > 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
@@ -172,7 +167,7 @@ def axis_figures(groups: list[Group], tasks: list[str], out: Path) -> list[Path]
     dashed, as a level when it lacks the axis (beta)."""
     plt, paths = _pyplot(), []
     metrics = tasks + [m for m in ("objective_gap",) if any(m in g.cells for g in groups)]
-    extra = [k for k in (groups[0].coords if groups else {}) if k not in axes.STANDARD]
+    extra = extra_axes(groups)
     for axis, model in itertools.product(_numeric_axes(groups), sorted({g.coords["model"] for g in groups})):
         mine = [g for g in groups if g.coords["model"] == model and not g.reference]
         others = [k for k in ("beta", *extra) if k != axis
@@ -184,9 +179,8 @@ def axis_figures(groups: list[Group], tasks: list[str], out: Path) -> list[Path]
             series: dict[str, list[tuple[float, Any]]] = {}
             for g in mine:
                 if metric in g.cells:
-                    name = g.label + "".join(f", {axes.header(k, extra) if k != 'beta' else 'beta'} "
-                                             f"{axes.value_text(g.coords[k])}" for k in others
-                                             if g.coords[k] is not None)
+                    name = g.label + "".join(f", {axes.heading(k, extra)} {axes.value_text(g.coords[k])}"
+                                             for k in others if g.coords[k] is not None)
                     series.setdefault(name, []).append((g.coords[axis], g.cells[metric]))
             for name, points in series.items():
                 if all(x is None for x, _ in points):  # the baseline without this axis: a level
@@ -204,12 +198,12 @@ def axis_figures(groups: list[Group], tasks: list[str], out: Path) -> list[Path]
             heights = [c.mean for points in series.values() for _, c in points]
             if min(heights) > 0 and max(heights) / min(heights) > 30:  # a collapsed run's gap next to the rest
                 ax.set_yscale("log")
-            ax.set_xlabel(axis if axis in axes.STANDARD else axes.header(axis, extra))
+            ax.set_xlabel(axes.heading(axis, extra))
             ax.set_title(f"{metric} pass@1" if metric not in OBJECTIVE_COLUMNS
                          else "objective gap J* - J (lower: better)")
             ax.grid(alpha=0.3)
         panels[0][0].legend(fontsize=6)
-        name = "beta" if axis == "beta" else axes.header(axis, extra)
+        name = axes.heading(axis, extra)
         paths.append(_finish(fig, f"{model}: accuracy and objective gap against {name}",
                              out / f"accuracy_vs_{name}_{model}.png"))
     return paths
@@ -264,7 +258,7 @@ def reward_vs_kl_figures(records: list[RunRecord], out: Path) -> list[Path]:
         if reference is None:
             continue
         for point in _points(measured, extra):
-            mine = [r for r in measured if _matches(r.coords, point)]
+            mine = [r for r in measured if axes.covers(r.coords, point)]
             paths.append(_reward_vs_kl(mine, reference["histograms"], f"{model}{_title(point, extra)}",
                                        out / f"reward_vs_kl_{model}{_suffix(point)}.png"))
     return paths

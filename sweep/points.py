@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sweep import axes as coords
-from sweep.checks import StudyError, known, listed, mapping, merge, nested, number
+from sweep.checks import StudyError, known, listed, mapping, merge, number, with_keys
 from trainer.choices import ESTIMATORS, PLACEMENTS
 
 GRID_KEYS = coords.STANDARD
@@ -62,9 +62,7 @@ class Point:
         config: dict[str, Any] = {"train": {"seed": self.seed}, "objective": {"placement": self.placement}}
         if self.placement != "none":
             config["objective"].update(estimator=self.estimator, beta=float(self.beta))
-        for key, value in self.extra.items():
-            config = merge(config, nested(key, value))
-        return config
+        return with_keys(config, self.extra)
 
 
 def check_axis_key(key: Any, where: str) -> str:
@@ -98,14 +96,13 @@ def check_axis_values(key: str, values: Any, where: str, base: dict[str, Any],
     values = listed(values)
     if not values:
         raise StudyError(f"{where}: at least one value is required")
-    contexts = [merge(base, combo) for combo in _combinations({k: [nested(k, v) for v in listed(vs)]
-                                                               for k, vs in (others or {}).items()}, merged=True)]
+    contexts = [with_keys(base, combo) for combo in _combinations({k: listed(vs) for k, vs in (others or {}).items()})]
     checked = []
     for i, value in enumerate(values):
         errors = []
         for context in contexts:
             try:
-                config = from_dict(merge(context, nested(key, value)))
+                config = from_dict(with_keys(context, {key: value}))
             except ConfigError as error:
                 errors.append(str(error))
                 continue
@@ -144,19 +141,9 @@ def _standard(grid: dict[str, Any]) -> tuple[list, list, list, list, bool]:
     return estimators, placements, betas, seeds, baseline
 
 
-def _combinations(extra: dict[str, list[Any]], merged: bool = False) -> list[dict[str, Any]]:
-    """Every combination of the axes' values, as {key: value}; with `merged`, the values (nested
-    configs) merged into one."""
-    combos = itertools.product(*extra.values())
-    if merged:
-        out = []
-        for values in combos:
-            config: dict[str, Any] = {}
-            for value in values:
-                config = merge(config, value)
-            out.append(config)
-        return out
-    return [dict(zip(extra, values, strict=True)) for values in combos]
+def _combinations(extra: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """Every combination of the axes' values, as {key: value}."""
+    return [dict(zip(extra, values, strict=True)) for values in itertools.product(*extra.values())]
 
 
 class Expansion:
@@ -169,8 +156,8 @@ class Expansion:
         raw = mapping(self.grid.get("axes"), "grid.axes")
         for key in raw:
             check_axis_key(key, f"grid.axes.{key}")
-        first = next(iter(base.values()))
-        self.axes = {key: check_axis_values(key, values, f"grid.axes.{key}", first,
+        self.first = next(iter(base.values()))  # the base config axis values are checked against
+        self.axes = {key: check_axis_values(key, values, f"grid.axes.{key}", self.first,
                                             {k: v for k, v in raw.items() if k != key})
                      for key, values in raw.items()}
         self.names = sorted(self.axes, key=coords.config_order)  # the extra axes, in id order
@@ -206,13 +193,12 @@ class Expansion:
     def _entry_axes(self, entry: dict[str, Any], where: str, new_axes: bool) -> dict[str, list[Any]]:
         """The extra axes of an include or exclude entry, validated; with `new_axes`, keys that are not
         in grid.axes become axes too."""
-        first = next(iter(self.base.values()))
         mine = {key: values for key, values in entry.items() if key not in GRID_KEYS}
         extra = {}
         for key in mine:
             check_axis_key(key, f"{where}.{key}")
         for key, values in mine.items():
-            extra[key] = check_axis_values(key, values, f"{where}.{key}", first,
+            extra[key] = check_axis_values(key, values, f"{where}.{key}", self.first,
                                            {k: v for k, v in mine.items() if k != key})
             if new_axes and key not in self.names:
                 self.names = sorted([*self.names, key], key=coords.config_order)

@@ -31,8 +31,9 @@ from sweep.table import (
     Row,
     Table,
     best_cells,
-    heading,
+    extra_axes,
     layout,
+    metric_names,
     summarize,
 )
 
@@ -54,7 +55,7 @@ def _seeds_text(row: Row) -> str:
 
 def _headings(table: Table) -> list[str]:
     extra = [a for a in table.axes if a not in axes.STANDARD]
-    return [heading(a, extra) for a in table.axes]
+    return [axes.heading(a, extra) for a in table.axes]
 
 
 def table_note(table: Table) -> str:
@@ -124,9 +125,7 @@ def write_csv(groups: list[Group], tasks: list[str], path: Path) -> None:
     """Tidy data: one line per configuration, point of the other axes (each extra axis a column, by
     its dotted key) and metric: tasks (pass@1), then objective_gap, kl_to_ref and reward;
     p_vs_k1_reward is the paired t-test's p-value (empty where there is no test)."""
-    from sweep.table import metric_names
-
-    extra = [k for k in (groups[0].coords if groups else {}) if k not in axes.STANDARD]
+    extra = extra_axes(groups)
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["model", "beta", *extra, "configuration", "task", "mean", "std", "seeds", "p_vs_k1_reward",
@@ -169,14 +168,14 @@ def report(results: Path, study: str | None = None, uri: str | None = None, coll
     records = load_runs(results)
     tables, figures = results / "tables", results / "figures"
     groups, tasks = summarize(records, collapse_fraction)
-    extra = list(records[0].extra_axes) if records else []
+    extra = extra_axes(groups)
     pivots = list(dict.fromkeys([*extra, *columns]))
     layouts = {axis: layout(groups, tasks, axis) for axis in [None, *pivots]}  # bad axes fail before any write
     tables.mkdir(parents=True, exist_ok=True)
     figures.mkdir(parents=True, exist_ok=True)
     written = []
     for axis, table in layouts.items():
-        stem = "results" if axis is None else f"results_by_{heading(axis, extra)}"
+        stem = "results" if axis is None else f"results_by_{axes.heading(axis, extra)}"
         (tables / f"{stem}.md").write_text(markdown_table(table))
         (tables / f"{stem}.tex").write_text(latex_table(table))
         written += [tables / f"{stem}.md", tables / f"{stem}.tex"]

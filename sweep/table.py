@@ -110,20 +110,19 @@ def objective_cells(record: RunRecord) -> dict[str, float]:
     return {**cells, "kl_to_ref": measured["kl"], "reward": measured["reward"]}
 
 
-def _reference(records: list[RunRecord], coords: dict[str, Any]) -> Group | None:
-    """The reference model's own objective at the beta of `coords` (KL 0), from the reward histograms
-    its runs sampled before their first update; None when no run of the model measured them."""
+def _reference(records: list[RunRecord], where: dict[str, Any]) -> Group | None:
+    """The reference model's own objective at `where` (its model and beta; KL 0), from the reward
+    histograms its runs sampled before their first update; None when no run of the model measured them."""
     from trainer.optimum import objective_gap, reference_value
 
     found = next((r.objective_reference for r in records
-                  if r.coords["model"] == coords["model"] and r.objective_reference), None)
-    if found is None or coords["beta"] is None:
+                  if r.coords["model"] == where["model"] and r.objective_reference), None)
+    if found is None:
         return None
     histograms = found["histograms"]
     rewards = [reference_value(h) for h in histograms]
-    gap = objective_gap(histograms, rewards, [0.0] * len(rewards), float(coords["beta"]))["gap"]
+    gap = objective_gap(histograms, rewards, [0.0] * len(rewards), float(where["beta"]))["gap"]
     values = {"objective_gap": gap, "kl_to_ref": 0.0, "reward": statistics.fmean(rewards)}
-    where = {key: None for key in coords} | {"model": coords["model"], "beta": coords["beta"], "placement": REFERENCE}
     return Group(where, REFERENCE, {name: Cell({0: value}) for name, value in values.items()}, seeds=1)
 
 
@@ -146,9 +145,11 @@ def summarize(records: list[RunRecord], fraction: float = 0.5) -> tuple[list[Gro
         for name, value in {**record.scores(), **objective_cells(record)}.items():
             group.cells.setdefault(name, Cell()).by_seed[seed] = float(value)
         group.unstable += [f"seed {seed}: {reason}" for reason in instability(record, fraction)]
-        reference = _reference(records, coords)
-        if reference is not None:
-            groups.setdefault(_key(reference.coords), reference)
+        if coords["beta"] is not None:  # once per model and beta: the reference's coordinates are those alone
+            where = {key: None for key in coords} | {"model": coords["model"], "beta": coords["beta"],
+                                                     "placement": REFERENCE}
+            if _key(where) not in groups and (reference := _reference(records, where)) is not None:
+                groups[_key(where)] = reference
     _mark_significance(groups)
     return sorted(groups.values(), key=Group.order), tasks
 
@@ -159,8 +160,8 @@ def _mark_significance(groups: dict[str, Group]) -> None:
     for group in groups.values():
         if group.reference or group.coords["placement"] == "none" or group in compared:
             continue
-        base = next((g for g in compared if all(v is None or axes.same_value(v, group.coords[k])
-                                                for k, v in g.coords.items() if k not in COMPARED_TO)), None)
+        others = {k: v for k, v in group.coords.items() if k not in COMPARED_TO}
+        base = next((g for g in compared if axes.covers(g.coords, others)), None)
         if base is None:
             continue
         for name, cell in group.cells.items():
@@ -202,16 +203,16 @@ class Table:
     columns_axis: str | None = None
 
 
-def heading(axis: str, extra: list[str]) -> str:
-    """An axis's name in a table: model, beta, ...; an extra axis's short name (sweep.axes.header)."""
-    return axis if axis in axes.STANDARD else axes.header(axis, extra)
+def extra_axes(groups: list[Group]) -> list[str]:
+    """The extra axes of the groups (every group has the same coordinates)."""
+    return axes.extra_of(groups[0].coords) if groups else []
 
 
 def layout(groups: list[Group], tasks: list[str], columns_axis: str | None = None) -> Table:
     """The table of `groups`: a row per configuration and point of the row axes, a column per metric
     (and per value of `columns_axis`, when given: any axis but the seed). The reference's values hold
     for every value of an axis other than model and beta."""
-    extra = [k for k in (groups[0].coords if groups else {}) if k not in axes.STANDARD]
+    extra = extra_axes(groups)
     choices = ["model", "estimator", "placement", "beta", *extra]
     columns_axis = next((k for k in extra if columns_axis == axes.header(k, extra)), columns_axis)  # async_level
     if columns_axis is not None and columns_axis not in choices:
@@ -219,8 +220,11 @@ def layout(groups: list[Group], tasks: list[str], columns_axis: str | None = Non
     shown = [a for a in ("model", "beta", *extra) if a != columns_axis]
     spread = columns_axis not in (None, "model", "beta")  # the reference's row fills every column
 
+    def at(value: Any) -> str:  # async_level=8
+        return f"{axes.heading(columns_axis, extra)}={axes.value_text(value)}"
+
     def column(metric: str, value: Any) -> str:
-        return metric if columns_axis is None else f"{metric} ({heading(columns_axis, extra)}={axes.value_text(value)})"
+        return metric if columns_axis is None else f"{metric} ({at(value)})"
 
     values = list(dict.fromkeys(g.coords[columns_axis] for g in groups if not (spread and g.reference))) \
         if columns_axis else [None]
@@ -235,7 +239,7 @@ def layout(groups: list[Group], tasks: list[str], columns_axis: str | None = Non
             for metric, cell in group.cells.items():
                 for target in values if spread and group.reference else [value]:
                     row.cells[column(metric, target)] = cell
-            prefix = f"{heading(columns_axis, extra)}={axes.value_text(value)}, " if columns_axis else ""
+            prefix = f"{at(value)}, " if columns_axis else ""
             row.unstable += [prefix + reason for reason in group.unstable]
             row.seeds.append(group.seeds)
     ordered = [row for _, row in sorted(rows.values(), key=lambda item: item[0])]

@@ -108,6 +108,11 @@ def group_gradients(inst: AuditInstance, config: ObjectiveConfig, group_size: in
     return torch.stack(grads), weights
 
 
+def expectation(grads: Tensor, weights: Tensor) -> Tensor:
+    """The mean of a discrete distribution of gradients [groups, *theta], shaped as one gradient."""
+    return (weights @ grads.flatten(1)).view_as(grads[0])
+
+
 def variance(grads: Tensor, weights: Tensor) -> float:
     """Trace of the covariance of a discrete distribution of gradients: E||g||^2 - ||E g||^2."""
     flat = grads.flatten(1)
@@ -253,7 +258,7 @@ def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: 
         baseline, baseline_groups = {}, {}
         for name, key in samplings.items():
             grads, weights = group_gradients(inst, bases[key[1]], group_size, key[0] == "off-policy", groups)
-            baseline[key], baseline_groups[key] = (weights @ grads.flatten(1)).view_as(grads[0]), grads
+            baseline[key], baseline_groups[key] = expectation(grads, weights), grads
             pg_errors[name].append(rel_error(baseline[key], -targets["reward"]))
             pg_variances[name].append(variance(grads, weights))
             bar.update()
@@ -262,8 +267,7 @@ def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: 
             sampling, estimator, placement, ratio, pg_ratio = config_key
             config = replace(bases[pg_ratio], estimator=estimator, placement=placement, kl_loss_ratio=ratio)
             grads, weights = group_gradients(inst, config, group_size, sampling == "off-policy", groups)
-            grad = (weights @ grads.flatten(1)).view_as(grads[0])
-            kl_grad = kl_grads[config_key] = (grad - baseline[sampling, pg_ratio]) / beta
+            kl_grad = kl_grads[config_key] = (expectation(grads, weights) - baseline[sampling, pg_ratio]) / beta
             on_policy_key = ("on-policy", estimator, placement,
                              "none" if ratio in ("detached", "sequence") else ratio, "token")
             per_config[config_key].append({
