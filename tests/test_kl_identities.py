@@ -50,7 +50,8 @@ def test_none_is_exactly_the_policy_gradient_of_expected_reward(case):
     assert rel_error(grad, -targets["reward"]) < TOL
 
 
-@pytest.mark.parametrize("estimator,placement", [("k1", "reward"), ("k1", "reward+loss"), ("k3", "reward+loss")])
+@pytest.mark.parametrize("estimator,placement", [("k1", "reward"), ("k1", "reward+loss"), ("k3", "reward+loss"),
+                                                 ("full", "reward+loss")])
 def test_unbiased_configurations_give_grad_kl(case, estimator, placement):
     inst, group_size, targets = case
     assert rel_error(kl_part(inst, estimator, placement, group_size), targets["unbiased"]) < TOL
@@ -75,8 +76,21 @@ def test_k3_loss_is_per_prefix_forward_kl(case):
     assert rel_error(grad, targets["unbiased"]) > 1e-3
 
 
-@pytest.mark.parametrize("estimator", ["k2", "k3"])
-def test_reward_placement_of_k2_and_k3_is_biased(case, estimator):
+@pytest.mark.parametrize("ratio", ["none", "differentiable"])
+def test_full_loss_is_per_prefix_reverse_kl_and_full_reward_is_the_rest_of_grad_kl(case, ratio):
+    """The chain rule of KL: grad E[sum_t KL_t] = E[sum_t grad KL_t] (the loss: each prefix's KL with the
+    prefix distribution held fixed) + E[sum_t KL_t grad log pi(y_<t)] (the reward: the score of the
+    prefixes). A token ratio adds E[KL_t grad log pi(y_t)] = 0: KL_t does not depend on y_t."""
+    inst, group_size, targets = case
+    loss = kl_part(inst, "full", "loss", group_size, kl_loss_ratio=ratio)
+    assert rel_error(loss, targets["per-prefix reverse"]) < TOL
+    reward = kl_part(inst, "full", "reward", group_size)
+    assert rel_error(reward, targets["unbiased"] - targets["per-prefix reverse"]) < TOL
+    assert rel_error(kl_part(inst, "full", "reward+loss", group_size, kl_loss_ratio=ratio), targets["unbiased"]) < TOL
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3", "full"])
+def test_reward_placement_of_k2_k3_and_full_is_biased(case, estimator):
     inst, group_size, targets = case
     grad = kl_part(inst, estimator, "reward", group_size)
     for target in ("unbiased", "per-prefix reverse", "per-prefix forward"):
@@ -148,8 +162,8 @@ def test_differentiable_weight_turns_k3_loss_into_k2_loss_on_policy():
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 @pytest.mark.parametrize("placement", ["none", "reward", "loss", "reward+loss"])
 def test_detached_weight_recovers_on_policy_gradient_for_one_token_responses(estimator, placement, group_size):
-    inst = AuditInstance.random(3, 1, seed=5)
-    config = replace(BASE, estimator=estimator, placement=placement, kl_loss_ratio="detached")
+    inst = AuditInstance.random(3, 1, seed=5)  # (the reward's KL from pi itself: from mu it is another term)
+    config = replace(BASE, estimator=estimator, placement=placement, kl_loss_ratio="detached", reward_kl="current")
     off = expected_gradient(inst, config, group_size, off_policy=True)
     on = expected_gradient(inst, replace(config, kl_loss_ratio="none"), group_size, off_policy=False)
     assert rel_error(off, on) < TOL
@@ -170,12 +184,12 @@ def test_token_level_ratios_leave_longer_responses_biased_and_the_audit_says_by_
     assert two_tokens.pg_error["off-policy"] > 1e-2
 
 
-SEQUENCE = {"pg_ratio": "sequence"}
+SEQUENCE = {"pg_ratio": "sequence", "reward_kl": "current"}
 
 
-def sequence_kl_part(inst, estimator, placement, group_size, cap=None):
+def sequence_kl_part(inst, estimator, placement, group_size, cap=None, reward_kl="current"):
     """The KL part of the expected gradient off-policy, under the sequence-level weights."""
-    base = replace(BASE, pg_ratio="sequence", sequence_ratio_cap=cap)
+    base = replace(BASE, pg_ratio="sequence", sequence_ratio_cap=cap, reward_kl=reward_kl)
     ratio = "none" if placement == "reward" else "sequence"
     config = replace(base, estimator=estimator, placement=placement, kl_loss_ratio=ratio)
     return (expected_gradient(inst, config, group_size, True) - expected_gradient(inst, base, group_size, True)) / BETA
@@ -189,19 +203,33 @@ def test_the_sequence_ratio_makes_the_policy_gradient_exactly_unbiased_off_polic
     assert rel_error(token_ratios, -targets["reward"]) > 1e-3
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "full"])
 @pytest.mark.parametrize("placement", ["reward", "loss", "reward+loss"])
 def test_sequence_and_prefix_ratios_give_every_configuration_its_on_policy_gradient_off_policy(
         case, estimator, placement):
     """Exactly, for any length: the policy gradient weighted by pi(y)/mu(y) and each KL-loss token by
-    its prefix ratio (KL_THEORY.md, "Exactly unbiased off-policy"); so k1-reward, k1-reward+loss and
-    k3-reward+loss are exactly unbiased off-policy."""
+    its prefix ratio (KL_THEORY.md, "Exactly unbiased off-policy"); so k1-reward, k1-reward+loss,
+    k3-reward+loss and full-reward+loss are exactly unbiased off-policy."""
     inst, group_size, targets = case
     off = sequence_kl_part(inst, estimator, placement, group_size)
     on = kl_part(inst, estimator, placement, group_size)
     assert float((off - on).norm() / targets["unbiased"].norm()) < 1e-10  # (k1-loss's is exactly zero)
-    if (estimator, placement) in (("k1", "reward"), ("k1", "reward+loss"), ("k3", "reward+loss")):
+    if (estimator, placement) in (("k1", "reward"), ("k1", "reward+loss"), ("k3", "reward+loss"),
+                                  ("full", "reward+loss")):
         assert rel_error(off, targets["unbiased"]) < TOL
+
+
+def test_the_samplers_kl_in_the_reward_pulls_away_from_the_sampler_by_exactly_grad_kl_to_it(case):
+    """With mu's log-ratio in the reward (reward_kl sampler, verl's choice), the k1-reward term's expected
+    gradient is grad KL(pi || pi_ref) - grad KL(pi || mu) under sequence weights: why exactness off-policy
+    needs reward_kl current (docs/full_kl.md)."""
+    inst, group_size, targets = case
+    space = inst.space
+    theta = inst.logits.clone().requires_grad_(True)
+    (to_sampler,) = torch.autograd.grad(tabular.sequence_kl(space, theta, space.seq_logp(inst.behaviour_logits)), theta)
+    got = sequence_kl_part(inst, "k1", "reward", group_size, reward_kl="sampler")
+    assert rel_error(got, targets["unbiased"] - to_sampler) < 1e-10
+    assert rel_error(got, targets["unbiased"]) > 1e-2
 
 
 @pytest.mark.parametrize("advantage, grpo_scale, exact", [
@@ -241,20 +269,21 @@ def test_sequence_ratios_are_exactly_one_on_policy(placement):
 def test_audit_verdicts_agree_with_kl_theory_and_rank_the_unbiased_by_their_exact_variance():
     result = gradient_audit(vocab=3, length=2, group_size=2, seeds=(0, 1), progress=False)
     on_policy = [r for r in result.rows if r.sampling == "on-policy"]
-    assert len(on_policy) == 15
+    assert len(on_policy) == 20
     assert all(r.agrees is not False for r in on_policy), [(r.estimator, r.placement, r.verdict) for r in on_policy]
-    assert sum(r.agrees is True for r in on_policy) == 10
+    assert sum(r.agrees is True for r in on_policy) == 15
     assert result.pg_error["on-policy"] < TOL
     # The README's answer to "which unbiased configuration is least noisy": the same mean, k3's
     # control variate in the loss takes most of the KL part's variance away; k1-loss's zero mean
     # comes with noise of its own, which it adds to k1-reward.
     sequence = [r for r in result.rows if r.pg_ratio == "sequence"]
-    assert len(sequence) == 9 and all(r.agrees for r in sequence), [(r.estimator, r.placement, r.verdict)
-                                                                   for r in sequence]
+    assert len(sequence) == 12 and all(r.agrees for r in sequence), [(r.estimator, r.placement, r.verdict)
+                                                                    for r in sequence]
     assert {(r.estimator, r.placement) for r in sequence if r.verdict == "unbiased"} == {
-        ("k1", "reward"), ("k1", "reward+loss"), ("k3", "reward+loss")}
+        ("k1", "reward"), ("k1", "reward+loss"), ("k3", "reward+loss"), ("full", "reward+loss")}
     assert result.pg_error["off-policy, sequence ratio"] < TOL < result.pg_error["off-policy"]
     var = {(r.estimator, r.placement): r.var_kl for r in on_policy if r.kl_loss_ratio == "none"}
+    assert var["full", "reward+loss"] < var["k3", "reward+loss"] / 2  # no sampling noise at the token
     assert var["k3", "reward+loss"] < var["k1", "reward"] / 2 < var["k1", "reward+loss"] / 2
     assert var["k1", "loss"] > 0.1 and all(r.var_grad > 0 for r in result.rows)
 

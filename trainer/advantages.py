@@ -1,17 +1,25 @@
-"""Advantage estimators over groups of responses to the same prompt.
+"""Advantage estimators over groups of responses to the same prompt: one registration each.
 
 `rewards` has shape [B] with B = prompts x group_size, each group in consecutive rows. Every
 estimator returns a [B] tensor. RLOO is the one under which the KL identities of KL_THEORY.md
 hold exactly: its baseline is independent of the sample it is subtracted from.
+
+An estimator's `scope` says which rows it reads: "group" ones read only a response's own group;
+"batch" ones (REINFORCE++'s normalisation) read every row of the minibatch, over all its
+micro-batches and processes, which is why the trainer computes advantages once per minibatch
+(`trainer.objective.batch_advantages`), never per micro-batch. Tensor methods only: no torch import,
+so that configs validate without it.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-from torch import Tensor
+from trainer.registry import Registry
 
-from trainer.choices import ADVANTAGES
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -61,13 +69,34 @@ def reinforce(rewards: Tensor, group_size: int) -> Tensor:
     return _groups(rewards, group_size).reshape(-1).clone()
 
 
+def reinforce_plus_plus(rewards: Tensor, group_size: int, eps: float = 1e-4) -> Tensor:
+    """REINFORCE++ with a group baseline (Hu et al. 2025; verl's reinforce_plus_plus_baseline): R_i minus
+    its group's mean, divided by the standard deviation of those over the whole batch."""
+    if rewards.numel() < 2:
+        raise ValueError(f"reinforce++ normalises over the batch and needs >= 2 rows, got {rewards.numel()}")
+    centred = drgrpo(rewards, group_size)
+    return centred / (centred.std() + eps)
+
+
+@dataclass(frozen=True)
+class Advantage:
+    name: str
+    compute: Callable[..., Tensor]  # (rewards [B], group_size, **options) -> [B]
+    scope: str = "group"            # "group": reads its group only; "batch": every row of the minibatch
+    scaled: bool = False            # takes grpo_scale (divide by the group std)
+
+
+REGISTRY: Registry[Advantage] = Registry("advantage")
+REGISTRY.register(Advantage("rloo", rloo))
+REGISTRY.register(Advantage("grpo", grpo, scaled=True))
+REGISTRY.register(Advantage("drgrpo", drgrpo))
+REGISTRY.register(Advantage("reinforce", reinforce))
+REGISTRY.register(Advantage("reinforce++", reinforce_plus_plus, scope="batch"))
+
+
 def compute(name: str, rewards: Tensor, group_size: int, *, grpo_scale: bool = True) -> Tensor:
-    """The advantages of estimator `name`, or a ValueError listing the choices."""
-    if name == "grpo":
-        return grpo(rewards, group_size, scale=grpo_scale)
-    table: dict[str, Callable[[Tensor, int], Tensor]] = {
-        "rloo": rloo, "drgrpo": drgrpo, "reinforce": reinforce,
-    }
-    if name not in table:
-        raise ValueError(f"unknown advantage {name!r}; choose one of {', '.join(ADVANTAGES)}")
-    return table[name](rewards, group_size)
+    """The advantages of estimator `name` over all the rows it reads, or a ValueError listing the choices."""
+    spec = REGISTRY[name]
+    if spec.scaled:
+        return spec.compute(rewards, group_size, scale=grpo_scale)
+    return spec.compute(rewards, group_size)

@@ -17,24 +17,14 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import Tensor
 
-from trainer import kl, tabular
-from trainer.objective import PLACEMENTS, ObjectiveConfig, compute_loss
+from trainer import estimators, tabular
+from trainer.objective import ObjectiveConfig, compute_loss
+from trainer.placements import KL_PLACEMENTS
 from trainer.progress import progress_bar
 
-# KL_THEORY.md's statements, on-policy, for responses longer than one token:
-# (estimator, placement, kl_loss_ratio) -> verdict.
-THEORY_ON_POLICY = {
-    ("k1", "reward", "none"): "unbiased",
-    ("k1", "loss", "none"): "zero",
-    ("k1", "reward+loss", "none"): "unbiased",
-    ("k2", "reward", "none"): "biased",
-    ("k2", "loss", "none"): "per-prefix reverse",
-    ("k2", "reward+loss", "none"): "biased",
-    ("k3", "reward", "none"): "biased",
-    ("k3", "loss", "none"): "per-prefix forward",
-    ("k3", "reward+loss", "none"): "unbiased",
-    ("k3", "loss", "differentiable"): "per-prefix reverse",
-}
+# KL_THEORY.md's statements (docs/full_kl.md's for full), on-policy, for responses longer than one
+# token, as each estimator registers them: (estimator, placement, kl_loss_ratio) -> verdict.
+THEORY_ON_POLICY = {(spec.name, *key): verdict for spec in estimators.REGISTRY for key, verdict in spec.theory.items()}
 TARGETS = ("unbiased", "per-prefix reverse", "per-prefix forward")
 
 
@@ -73,12 +63,16 @@ def _group_losses(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
     sampler_token_logp = space.token_logp(sampler_logits)
     weights = sampler_token_logp.sum(-1)[groups].sum(-1).exp()
     mask = torch.ones(group_size, space.length, dtype=torch.float64)
+    full = estimators.REGISTRY[config.estimator].inputs == estimators.FULL
+    token_kl = space.token_kl(theta, inst.ref_logits) if full else None
+    sampler_token_kl = space.token_kl(sampler_logits, inst.ref_logits) if full else None
     losses = []
     for rows in groups:
         old = sampler_token_logp[rows] if off_policy else None
         engine = sampler_token_logp[rows] if engine_mismatch else None
         loss, _ = compute_loss(logp[rows], ref_logp[rows], old, inst.rewards[rows], mask, group_size, config,
-                               engine_logp=engine)
+                               engine_logp=engine, token_kl=None if token_kl is None else token_kl[rows],
+                               old_token_kl=sampler_token_kl[rows] if full and off_policy else None)
         losses.append(loss)
     return theta, losses, weights
 
@@ -199,16 +193,17 @@ def audit_configs() -> list[tuple[str, str, str, str, str]]:
     ratio on each KL-loss token.
     """
     rows = []
-    for estimator in kl.ESTIMATORS:
-        for placement in PLACEMENTS[1:]:
+    names = estimators.REGISTRY.names
+    for estimator in names:
+        for placement in KL_PLACEMENTS:
             ratios = ("none",) if placement == "reward" else ("none", "differentiable")
             rows.extend(("on-policy", estimator, placement, ratio, "token") for ratio in ratios)
-    for estimator in kl.ESTIMATORS:
-        for placement in PLACEMENTS[1:]:
+    for estimator in names:
+        for placement in KL_PLACEMENTS:
             ratios = ("none",) if placement == "reward" else ("none", "detached", "differentiable")
             rows.extend(("off-policy", estimator, placement, ratio, "token") for ratio in ratios)
-    for estimator in kl.ESTIMATORS:
-        for placement in PLACEMENTS[1:]:
+    for estimator in names:
+        for placement in KL_PLACEMENTS:
             rows.append(("off-policy", estimator, placement, "none" if placement == "reward" else "sequence",
                          "sequence"))
     return rows
@@ -241,7 +236,11 @@ def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: 
                    progress: bool | None = None, clip_ratio_c: float | None = None) -> GradientAudit:
     """Run the exact gradient audit for every configuration on every seed (with `clip_ratio_c`, under
     the dual clip: what it changes shows in the off-policy rows)."""
-    base = ObjectiveConfig(placement="none", beta=beta, advantage=advantage, clip_ratio_c=clip_ratio_c)
+    # The reward's KL from the policy being differentiated, pi, in every row: the rows then differ only in
+    # their importance weights. (From mu, the trainer's default off-policy, the reward term gains exactly
+    # -grad KL(pi || mu): tests/test_kl_identities.py.)
+    base = ObjectiveConfig(placement="none", beta=beta, advantage=advantage, clip_ratio_c=clip_ratio_c,
+                           reward_kl="current")
     bases = {"token": base, "sequence": replace(base, pg_ratio="sequence", clip_ratio_c=None)}  # no token clip
     configs = audit_configs()
     per_config: dict[tuple, list[dict[str, object]]] = {c: [] for c in configs}
@@ -330,7 +329,8 @@ def gradient_table_markdown(audit: GradientAudit) -> str:
         "uncorrected. PG ratio: the policy gradient's importance weight, PPO's token ratio or the "
         "sequence ratio pi(y)/mu(y) (with it, each KL-loss token takes its prefix ratio: KL-loss ratio "
         "`sequence`). var = trace of the covariance of the gradient that one sampled group gives (the "
-        "noise an update averages over; mean over seeds), of the whole loss and of its KL part g.",
+        "noise an update averages over; mean over seeds), of the whole loss and of its KL part g. The reward's "
+        "KL is pi's in every row (objective.reward_kl current).",
         "",
         "| sampling | estimator | placement | KL-loss ratio | PG ratio | abs g / abs grad KL | cos KL | err KL "
         "| cos prefix-rev | err prefix-rev | cos prefix-fwd | err prefix-fwd | err vs on-policy | var grad | var g "

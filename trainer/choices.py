@@ -1,13 +1,16 @@
 """The names a run config chooses from, free of torch.
 
 `trainer.config` validates with these alone, so that a study validates every run's config in
-milliseconds before Snakemake builds its DAG. The modules that implement each choice (kl,
-advantages, objective, tasks, rollout) take their names from here.
+milliseconds before Snakemake builds its DAG. The objective's axes (estimators, placements,
+advantages) are registries (`trainer.registry`): their names here are read from them.
 """
 
-ESTIMATORS = ("k1", "k2", "k3")
-PLACEMENTS = ("none", "reward", "loss", "reward+loss")
-ADVANTAGES = ("rloo", "grpo", "drgrpo", "reinforce")
+from trainer import advantages, estimators, placements
+
+ESTIMATORS = estimators.REGISTRY.names
+PLACEMENTS = placements.REGISTRY.names
+ADVANTAGES = advantages.REGISTRY.names
+REWARD_KL_POLICIES = ("sampler", "current")
 LOSS_AGGS = ("seq-mean-token-sum", "seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_LOSS_RATIOS = ("none", "detached", "differentiable", "sequence")
 PG_RATIOS = ("token", "sequence")

@@ -1,10 +1,8 @@
-"""Per-token estimators of the reverse KL divergence KL(pi_theta || pi_ref).
+"""Per-token estimates of the reverse KL divergence KL(pi_theta || pi_ref) from sampled tokens.
 
-With the token log-ratio l = log pi_theta - log pi_ref and r = exp(-l) (see KL_THEORY.md):
-
-    k1 = l              unbiased, high variance, can be negative
-    k2 = l**2 / 2       biased, second-order match to the KL
-    k3 = r - 1 + l      unbiased, never negative, low variance
+The estimators and their formulas are registered in `trainer.estimators` (k1 = l, k2 = l**2 / 2,
+k3 = exp(-l) - 1 + l with l = log pi_theta - log pi_ref); this module evaluates them in a safe dtype.
+`full` needs whole distributions, not sampled tokens: `trainer.full_kl`.
 
 Only k3 can overflow (through exp(-l), which is also its gradient's size). Its exponent is clamped
 at a bound close to the largest finite exponent of the narrowest dtype involved (the computation's,
@@ -21,20 +19,23 @@ import math
 import torch
 from torch import Tensor
 
-from trainer.choices import ESTIMATORS
+from trainer.estimators import FULL, REGISTRY, SAMPLED_ESTIMATORS, Estimator
+
+__all__ = ["SAMPLED_ESTIMATORS", "clamped", "compute_dtype", "estimate", "log_ratio", "max_exponent"]
 
 # exp(x) - 1 + x stays finite for x up to log(finfo.max) minus this margin.
 _EXP_MARGIN = 1.0
 
 
-def _check_name(estimator: str) -> None:
-    if estimator not in ESTIMATORS:
-        raise ValueError(
-            f"unknown KL estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}"
-        )
+def _sampled(estimator: str) -> Estimator:
+    spec = REGISTRY[estimator]
+    if spec.inputs == FULL:
+        raise ValueError(f"KL estimator {estimator!r} is computed from whole distributions (trainer.full_kl), "
+                         "not from sampled tokens' log-probs")
+    return spec
 
 
-def _compute_dtype(*tensors: Tensor) -> torch.dtype:
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
     """float64 stays float64; every lower precision is computed in float32."""
     if any(t.dtype == torch.float64 for t in tensors):
         return torch.float64
@@ -48,32 +49,26 @@ def max_exponent(*dtypes: torch.dtype) -> float:
 
 def log_ratio(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """l = log pi_theta - log pi_ref, in at least float32."""
-    dtype = _compute_dtype(logp, ref_logp)
+    dtype = compute_dtype(logp, ref_logp)
     return logp.to(dtype) - ref_logp.to(dtype)
 
 
 def clamped(estimator: str, logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Boolean mask of the tokens whose estimate `estimate` clamps (only k3 ever clamps)."""
-    _check_name(estimator)
+    spec = _sampled(estimator)
     lr = log_ratio(logp.detach(), ref_logp.detach())
-    if estimator != "k3":
+    if not spec.clamps:
         return torch.zeros_like(lr, dtype=torch.bool)
     return -lr > max_exponent(lr.dtype, logp.dtype, ref_logp.dtype)
 
 
 def estimate(estimator: str, logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """Elementwise KL estimate of `estimator` ("k1", "k2" or "k3").
+    """Elementwise KL estimate of the sampled-token estimator `estimator` (k1, k2, k3).
 
     `logp` and `ref_logp` are the log-probabilities of the sampled tokens under the policy and
     the reference; gradients flow through both. The result has their broadcast shape and is
     computed in float32 (float64 when an input is float64).
     """
-    _check_name(estimator)
+    spec = _sampled(estimator)
     lr = log_ratio(logp, ref_logp)
-    if estimator == "k1":
-        return lr
-    if estimator == "k2":
-        return 0.5 * lr.square()
-    # k3 = (exp(-l) - 1) + l; expm1 keeps precision for small |l|.
-    neg = torch.clamp(-lr, max=max_exponent(lr.dtype, logp.dtype, ref_logp.dtype))
-    return torch.expm1(neg) + lr
+    return spec.formula(lr, max_exponent(lr.dtype, logp.dtype, ref_logp.dtype))

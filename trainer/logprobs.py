@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.chunked_logprobs import DEFAULT_CHUNK, compute_dtype, token_logprobs
+from trainer.full_kl import HeadInputs, token_kl
 from trainer.rollout.base import Rollouts
 
 
@@ -87,10 +88,8 @@ class CompletionLogprobs(torch.nn.Module):
         With `whole_vocabulary`, the first result is instead log pi of every vocabulary entry at every
         completion position ([B, T, V]; callers bound B x T x V), for full-distribution quantities."""
         model, temperature, chunk = self.lm, self.temperature, self.chunk
-        positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
         length = batch.completion_ids.shape[1]
-        inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
-                      use_cache=False)
+        inputs = self._inputs(batch)
         head = _linear_head(model) if chunk and not whole_vocabulary else None
         if head is None:
             out = model(**inputs, logits_to_keep=length + 1)
@@ -105,17 +104,53 @@ class CompletionLogprobs(torch.nn.Module):
                 with torch.no_grad():
                     entropy = -(logp_all.exp() * logp_all).sum(-1) * batch.completion_mask
             return logp, entropy
-        hidden = model.base_model(**inputs).last_hidden_state
-        hidden = hidden[:, batch.prompt_width - 1:batch.prompt_width - 1 + length]
+        return self._token_logprobs(batch, self._completion_states(batch, inputs, head), with_entropy)
+
+    def completion_states(self, batch: PackedBatch) -> HeadInputs:
+        """The last hidden states at the completion tokens' positions ([N, H], N = tokens under the mask)
+        and the output layer: what whole next-token distributions are computed from (`trainer.full_kl`)."""
+        return self._completion_states(batch, self._inputs(batch), self._head())
+
+    def with_token_kl(self, batch: PackedBatch, reference: HeadInputs, with_entropy: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`forward`'s log-probs and entropy, and the exact KL(pi || pi_ref) over the vocabulary at each
+        completion position ([B, T], 0 on padding), from one pass of the policy; `reference` is the
+        reference's `completion_states` of the same batch. Chunked: never a [B, T, V] tensor."""
+        states = self._completion_states(batch, self._inputs(batch), self._head())
+        logp, entropy = self._token_logprobs(batch, states, with_entropy)
         mask = batch.completion_mask.bool()
-        rows = hidden[mask]
-        flat, flat_entropy = token_logprobs(rows, head.weight, head.bias, batch.completion_ids[mask], temperature,
-                                            chunk, with_entropy)
-        logp = torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
-        entropy = None
-        if flat_entropy is not None:
-            entropy = torch.zeros_like(logp).masked_scatter(mask, flat_entropy.to(logp.dtype))
-        return logp, entropy
+        return logp, entropy, _scatter(mask, token_kl(states, reference, self.temperature, self.chunk))
+
+    def _inputs(self, batch: PackedBatch) -> dict:
+        positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
+                    use_cache=False)
+
+    def _head(self) -> torch.nn.Linear:
+        head = _linear_head(self.lm) if self.chunk else None
+        if head is None:
+            raise ValueError("the full-vocabulary KL needs train.logprob_chunk > 0 and a model whose logits are a "
+                             "linear layer over its last hidden states")
+        return head
+
+    def _completion_states(self, batch: PackedBatch, inputs: dict, head: torch.nn.Linear) -> HeadInputs:
+        length = batch.completion_ids.shape[1]
+        hidden = self.lm.base_model(**inputs).last_hidden_state
+        hidden = hidden[:, batch.prompt_width - 1:batch.prompt_width - 1 + length]  # position P-1+t predicts t
+        return HeadInputs(hidden[batch.completion_mask.bool()], head.weight, head.bias)
+
+    def _token_logprobs(self, batch: PackedBatch, states: HeadInputs, with_entropy: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mask = batch.completion_mask.bool()
+        flat, flat_entropy = token_logprobs(states.hidden, states.weight, states.bias, batch.completion_ids[mask],
+                                            self.temperature, self.chunk, with_entropy)
+        logp = _scatter(mask, flat)
+        return logp, None if flat_entropy is None else _scatter(mask, flat_entropy.to(logp.dtype))
+
+
+def _scatter(mask: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """Values of the tokens under a [B, T] mask, back to [B, T] with 0 on padding."""
+    return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
 
 
 def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False,

@@ -3,21 +3,26 @@
 KL_THEORY.md states what each configuration's expected gradient is; `trainer.audit` checks these
 statements by exact enumeration through `compute_loss` itself, so the trainer and the proof share
 one implementation.
+
+Two phases: `batch_advantages` shapes the rewards and computes the advantages once per minibatch,
+over all its rows; `policy_loss` then computes the loss of any part of it (a micro-batch on one
+process). `compute_loss` is both at once, for one batch.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from trainer import advantages, kl
+from trainer import advantages, estimators, kl
 from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, PLACEMENTS
 from trainer.objective_config import ObjectiveConfig
 
-__all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PG_RATIOS", "PLACEMENTS", "ObjectiveConfig", "aggregate", "combine_stats",
-           "compute_loss"]
+__all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PG_RATIOS", "PLACEMENTS", "Advantages", "ObjectiveConfig", "advantage_stats",
+           "aggregate", "batch_advantages", "combine_stats", "compute_loss", "policy_loss", "reward_kl"]
 
 # How combine_stats pools each statistic over a batch's parts (micro-batches, processes):
 # a part's share of the whole batch's (with `totals`) adds up;
@@ -52,19 +57,65 @@ def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int |
     raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {', '.join(LOSS_AGGS)}")
 
 
-def _check_inputs(logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None, rewards: Tensor,
-                  mask: Tensor, group_size: int, engine_logp: Tensor | None) -> None:
+def _check_inputs(logp: Tensor, rewards: Tensor | None, group_size: int | None, **named: Tensor | None) -> None:
     if logp.dim() != 2:
         raise ValueError(f"logp must have shape [B, T], got {tuple(logp.shape)}")
-    named = {"ref_logp": ref_logp, "mask": mask, "old_logp": old_logp, "engine_logp": engine_logp}
-    named = {name: tensor for name, tensor in named.items() if tensor is not None}
     for name, tensor in named.items():
-        if tensor.shape != logp.shape:
+        if tensor is not None and tensor.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
-    if rewards.shape != logp.shape[:1]:
+    if rewards is not None and rewards.shape != logp.shape[:1]:
         raise ValueError(f"rewards must have shape [{logp.shape[0]}], got {tuple(rewards.shape)}")
-    if group_size < 1 or logp.shape[0] % group_size:
+    if group_size is not None and (group_size < 1 or logp.shape[0] % group_size):
         raise ValueError(f"batch of {logp.shape[0]} rows is not a whole number of groups of {group_size}")
+
+
+def _token_estimate(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None) -> Tensor:
+    """The per-token KL term [B, T] of config.estimator: from the sampled tokens' log-probs, or the
+    exact full-vocabulary KL (`token_kl`, computed by trainer.full_kl) for an estimator that needs it."""
+    if estimators.REGISTRY[config.estimator].inputs == estimators.FULL:
+        if token_kl is None:
+            raise ValueError(f"estimator {config.estimator}: compute_loss needs token_kl, the exact per-token KL "
+                             "over the vocabulary (trainer.full_kl)")
+        return token_kl.to(kl.compute_dtype(logp, ref_logp))
+    return kl.estimate(config.estimator, logp, ref_logp)
+
+
+@torch.no_grad()
+def reward_kl(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, mask: Tensor,
+              token_kl: Tensor | None = None) -> Tensor:
+    """[B] the KL estimate of each response that the reward is shaped with: the sum over its tokens of
+    config.estimator, from the log-probs (and, for `full`, token_kl) of the policy config.reward_kl
+    names. Detached: it reaches the gradient only through the advantages."""
+    estimate = _token_estimate(config, logp, ref_logp, token_kl)
+    return (estimate * mask.to(estimate.dtype)).sum(dim=-1)
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """A minibatch's rewards, shaped with the KL when it goes in the reward, and their advantages."""
+
+    rewards: Tensor  # [B]
+    shaped: Tensor   # [B]
+    values: Tensor   # [B]
+
+    def rows(self, index: slice) -> "Advantages":
+        return Advantages(self.rewards[index], self.shaped[index], self.values[index])
+
+
+def batch_advantages(rewards: Tensor, sequence_kl: Tensor | None, group_size: int,
+                     config: ObjectiveConfig) -> Advantages:
+    """Shape the rewards (minus beta x `sequence_kl` where the KL goes in the reward) and compute the
+    advantages, over all the rows an advantage estimator reads: call it once per minibatch, with every
+    row of it (a "batch"-scope estimator normalises over them all), then `policy_loss` per part."""
+    rewards = rewards.detach()
+    if config.kl_in_reward:
+        if sequence_kl is None:
+            raise ValueError(f"placement {config.placement}: batch_advantages needs the responses' KL (reward_kl)")
+        shaped = rewards.to(sequence_kl.dtype) - config.beta * sequence_kl.detach()
+    else:
+        shaped = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    values = advantages.compute(config.advantage, shaped, group_size, grpo_scale=config.grpo_scale)
+    return Advantages(rewards, shaped, values)
 
 
 def compute_loss(
@@ -77,8 +128,12 @@ def compute_loss(
     config: ObjectiveConfig,
     totals: tuple[float, float] | None = None,
     engine_logp: Tensor | None = None,
+    token_kl: Tensor | None = None,
+    old_token_kl: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The scalar loss to minimise and a dict of plain-float statistics.
+    """The scalar loss to minimise and a dict of plain-float statistics, for one whole batch:
+    `batch_advantages` then `policy_loss` (the trainer calls those two itself, so that advantages
+    are computed once per minibatch and the loss per micro-batch).
 
     logp      [B, T] log pi_theta of the sampled tokens (with grad)
     ref_logp  [B, T] log pi_ref of the same tokens
@@ -92,24 +147,51 @@ def compute_loss(
     engine_logp  [B, T] log-probs the rollout engine sampled with, for config.tis_cap (truncated
               importance sampling of the policy-gradient term from the engine to the trainer's
               policy); ignored when tis_cap is None
+    token_kl  [B, T] the exact KL(pi_theta || pi_ref) over the vocabulary at each position (with
+              grad; trainer.full_kl), for estimator `full`; old_token_kl the same of mu, for its
+              reward when reward_kl is "sampler" and old_logp is given
+
+    The KL in the reward is computed from mu's log-probs (config.reward_kl "sampler", when old_logp
+    is given) or from pi_theta's ("current").
     """
-    _check_inputs(logp, ref_logp, old_logp, rewards, mask, group_size, engine_logp)
+    _check_inputs(logp, rewards, group_size, ref_logp=ref_logp, mask=mask, old_logp=old_logp,
+                  engine_logp=engine_logp, token_kl=token_kl, old_token_kl=old_token_kl)
+    sequence_kl = None
+    if config.kl_in_reward:
+        sampler = old_logp is not None and config.reward_kl == "sampler"
+        sequence_kl = reward_kl(config, old_logp if sampler else logp, ref_logp, mask,
+                                old_token_kl if sampler else token_kl)
+    adv = batch_advantages(rewards, sequence_kl, group_size, config)
+    loss, stats = policy_loss(logp, ref_logp, old_logp, adv.values, mask, config, totals, engine_logp, token_kl)
+    return loss, {**stats, **advantage_stats(adv)}
+
+
+def policy_loss(
+    logp: Tensor,
+    ref_logp: Tensor,
+    old_logp: Tensor | None,
+    adv: Tensor,
+    mask: Tensor,
+    config: ObjectiveConfig,
+    totals: tuple[float, float] | None = None,
+    engine_logp: Tensor | None = None,
+    token_kl: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The loss of some rows given their advantages [B] (from `batch_advantages`): the policy-gradient
+    term and, where the KL goes in the loss, beta x its KL term; with the loss statistics. The other
+    arguments are `compute_loss`'s."""
+    _check_inputs(logp, adv, None, ref_logp=ref_logp, mask=mask, old_logp=old_logp, engine_logp=engine_logp,
+                  token_kl=token_kl)
     if config.tis_cap is not None and engine_logp is None:
         raise ValueError("objective.tis_cap: compute_loss needs engine_logp, the engine's own log-probs")
-    estimate = kl.estimate(config.estimator, logp, ref_logp)
-    dtype = estimate.dtype
+    estimate = _token_estimate(config, logp, ref_logp, token_kl) if config.kl_in_loss else None
+    dtype = kl.compute_dtype(logp, ref_logp)
     maskf = mask.to(dtype)
     logp_c = logp.to(dtype)
     old = logp_c.detach() if old_logp is None else old_logp.to(dtype)
 
-    shaped = rewards.to(dtype)
-    seq_estimate = (estimate.detach() * maskf).sum(dim=-1)
-    if config.kl_in_reward:
-        shaped = shaped - config.beta * seq_estimate
-    adv = advantages.compute(config.advantage, shaped, group_size, grpo_scale=config.grpo_scale)
-
     ratio = torch.exp(logp_c - old)
-    adv_t = adv.unsqueeze(-1)
+    adv_t = adv.to(dtype).unsqueeze(-1)
     sequence = _sequence_ratios(logp_c, old, maskf, config) if _uses_sequence_ratios(config) else None
     if config.pg_ratio == "sequence":
         # sg(w) * A * grad log pi_t on every token: E_mu[w A sum_t grad log pi_t] = grad E_pi[R]
@@ -126,14 +208,14 @@ def compute_loss(
 
     loss = loss_pg
     loss_kl = torch.zeros((), dtype=dtype, device=logp.device)
-    if config.kl_in_loss:
+    if estimate is not None:
         weight = {"none": None, "detached": ratio.detach(), "differentiable": ratio,
                   "sequence": sequence[1] if sequence else None}[config.kl_loss_ratio]
         kl_term = estimate if weight is None else weight * estimate
         loss_kl = config.beta * aggregate(kl_term, maskf, config.loss_agg, config.norm_length, totals)
         loss = loss + loss_kl
 
-    stats = _stats(logp_c, ref_logp, rewards, shaped, adv, ratio, clipped, maskf, loss_pg, loss_kl, config)
+    stats = _stats(logp_c, ref_logp, ratio, clipped, maskf, loss_pg, loss_kl, config, token_kl)
     if dual_clipped is not None:
         stats["dual_clip_frac"] = float((dual_clipped & maskf.bool()).sum() / maskf.sum().clamp(min=1))
     if tis is not None:
@@ -184,27 +266,22 @@ def _policy_gradient_term(log_ratio: Tensor, adv_t: Tensor, config: ObjectiveCon
 
 
 @torch.no_grad()
-def _stats(logp: Tensor, ref_logp: Tensor, rewards: Tensor, shaped: Tensor, adv: Tensor,
-           ratio: Tensor, clipped: Tensor, maskf: Tensor, loss_pg: Tensor, loss_kl: Tensor,
-           config: ObjectiveConfig) -> dict[str, float]:
-    """Plain floats for logging, gathered in one device transfer."""
+def _stats(logp: Tensor, ref_logp: Tensor, ratio: Tensor, clipped: Tensor, maskf: Tensor, loss_pg: Tensor,
+           loss_kl: Tensor, config: ObjectiveConfig, token_kl: Tensor | None) -> dict[str, float]:
+    """Plain floats for logging, gathered in one device transfer: the responses' KL by every
+    sampled-token estimator (kl_k1, ...), and by `full` where the exact token KL was computed."""
     n_tokens = maskf.sum().clamp(min=1)
-    seq_sum = {name: (kl.estimate(name, logp.detach(), ref_logp) * maskf).sum(dim=-1)
-               for name in kl.ESTIMATORS}
+    sequence_kls = {f"kl_{name}": (kl.estimate(name, logp.detach(), ref_logp) * maskf).sum(dim=-1)
+                    for name in kl.SAMPLED_ESTIMATORS}
+    if token_kl is not None:
+        sequence_kls["kl_full"] = (token_kl.detach().to(maskf.dtype) * maskf).sum(dim=-1)
     tokens = maskf.bool()
     ratio_tokens = ratio.detach()[tokens] if tokens.any() else ratio.new_ones(1)
     clamped_tokens = torch.zeros((), dtype=maskf.dtype, device=maskf.device)
-    if config.placement != "none":
+    if config.placement != "none" and config.estimator in kl.SAMPLED_ESTIMATORS:
         clamped_tokens = (kl.clamped(config.estimator, logp, ref_logp) & tokens).sum().to(maskf.dtype)
     values = {
-        "reward_mean": rewards.to(maskf.dtype).mean(),
-        "reward_shaped_mean": shaped.mean(),
-        "kl_k1": seq_sum["k1"].mean(),
-        "kl_k2": seq_sum["k2"].mean(),
-        "kl_k3": seq_sum["k3"].mean(),
-        "adv_mean": adv.mean(),
-        "adv_std": adv.std() if adv.numel() > 1 else adv.new_zeros(()),
-        "adv_abs_max": adv.abs().max(),
+        **{name: per_row.mean() for name, per_row in sequence_kls.items()},
         "ratio_mean": ratio_tokens.mean(),
         "ratio_min": ratio_tokens.min(),
         "ratio_max": ratio_tokens.max(),
@@ -215,10 +292,24 @@ def _stats(logp: Tensor, ref_logp: Tensor, rewards: Tensor, shaped: Tensor, adv:
         "response_length": maskf.sum(dim=-1).mean(),
         "_rows": maskf.new_tensor(float(maskf.shape[0])),  # combine_stats' weights
         "_tokens": maskf.sum(),
-        "_adv_sq_mean": (adv**2).mean(),
     }
     numbers = torch.stack([v.to(maskf.dtype) for v in values.values()]).tolist()
     return dict(zip(values, numbers, strict=True))
+
+
+@torch.no_grad()
+def advantage_stats(adv: Advantages) -> dict[str, float]:
+    """The rewards' and advantages' statistics over some rows (combine_stats pools parts of a minibatch)."""
+    values = adv.values
+    numbers = {
+        "reward_mean": adv.rewards.to(values.dtype).mean(),
+        "reward_shaped_mean": adv.shaped.to(values.dtype).mean(),
+        "adv_mean": values.mean(),
+        "adv_std": values.std() if values.numel() > 1 else values.new_zeros(()),
+        "adv_abs_max": values.abs().max(),
+        "_adv_sq_mean": (values**2).mean(),
+    }
+    return dict(zip(numbers, torch.stack(list(numbers.values())).tolist(), strict=True))
 
 
 @torch.no_grad()

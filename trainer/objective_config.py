@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from trainer.choices import ADVANTAGES, ESTIMATORS, KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, PLACEMENTS
+from trainer import advantages, placements
+from trainer.choices import (
+    ADVANTAGES,
+    ESTIMATORS,
+    KL_LOSS_RATIOS,
+    LOSS_AGGS,
+    PG_RATIOS,
+    PLACEMENTS,
+    REWARD_KL_POLICIES,
+)
 
 
 def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
@@ -19,10 +28,21 @@ def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
 class ObjectiveConfig:
     """What the loss computes. Invalid values raise ValueError naming the field.
 
-    estimator       k1 | k2 | k3 (see trainer.kl)
+    estimator       k1 | k2 | k3 | full (see trainer.estimators; full is the exact next-token KL
+                    over the whole vocabulary, trainer.full_kl)
     placement       none | reward | loss | reward+loss: where beta x the estimate goes
     beta            KL coefficient, >= 0 (ignored for placement none)
-    advantage       rloo | grpo | drgrpo | reinforce (see trainer.advantages)
+    reward_kl       whose log-probs the KL in the reward is computed from:
+                    sampler  the policy that sampled the batch, once per batch, as verl does: a
+                             reward does not change while the policy learns from it
+                    current  the policy being updated, again for each minibatch (one forward pass
+                             without gradient once the policy has moved): what exact
+                             unbiasedness off-policy (pg_ratio sequence) needs, since with the
+                             sampler mu's log-ratio the reward term's expected gradient is off by
+                             beta x grad KL(pi || mu) (docs/full_kl.md)
+                    the same on-policy (one minibatch, one epoch, no async)
+    advantage       rloo | grpo | drgrpo | reinforce | reinforce++ (see trainer.advantages;
+                    reinforce++ normalises over the whole minibatch)
     grpo_scale      grpo only: divide by the group std (False gives Dr. GRPO's centring)
     loss_agg        how per-token losses become one number:
                     seq-mean-token-sum       mean over responses of their token sums (the
@@ -86,6 +106,7 @@ class ObjectiveConfig:
     tis_cap: float | None = None
     pg_ratio: str = "token"
     sequence_ratio_cap: float | None = None
+    reward_kl: str = "sampler"
 
     def __post_init__(self) -> None:
         _choice("estimator", self.estimator, ESTIMATORS)
@@ -94,6 +115,7 @@ class ObjectiveConfig:
         _choice("loss_agg", self.loss_agg, LOSS_AGGS)
         _choice("kl_loss_ratio", self.kl_loss_ratio, KL_LOSS_RATIOS)
         _choice("pg_ratio", self.pg_ratio, PG_RATIOS)
+        _choice("reward_kl", self.reward_kl, REWARD_KL_POLICIES)
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
             raise ValueError(f"ObjectiveConfig.beta: must be a number, got {self.beta!r}")
         if not self.beta >= 0 or self.beta == float("inf"):
@@ -128,15 +150,16 @@ class ObjectiveConfig:
 
     @property
     def kl_in_reward(self) -> bool:
-        return self.placement in ("reward", "reward+loss")
+        return placements.REGISTRY[self.placement].in_reward
 
     @property
     def kl_in_loss(self) -> bool:
-        return self.placement in ("loss", "reward+loss")
+        return placements.REGISTRY[self.placement].in_loss
 
     def inert_fields(self) -> frozenset[str]:
         """The fields this objective never reads: without a KL term its estimator, beta and ratio;
-        with the KL only in the reward, the KL loss term's ratio; grpo_scale outside grpo;
+        with the KL only in the reward, the KL loss term's ratio; without it in the reward, reward_kl;
+        grpo_scale outside grpo;
         norm_length outside its aggregation; sequence_ratio_cap without a sequence ratio. A study crosses an axis
         only where it is not inert, so that no two of its runs compute the same thing."""
         inert = set()
@@ -144,7 +167,9 @@ class ObjectiveConfig:
             inert |= {"estimator", "beta"}
         if not self.kl_in_loss:
             inert.add("kl_loss_ratio")
-        if self.advantage != "grpo":
+        if not self.kl_in_reward:
+            inert.add("reward_kl")
+        if not advantages.REGISTRY[self.advantage].scaled:
             inert.add("grpo_scale")
         if self.loss_agg != "seq-mean-token-sum-norm":
             inert.add("norm_length")

@@ -60,6 +60,12 @@ class SequenceSpace:
         logp_rows = torch.log_softmax(logits, dim=-1)
         return logp_rows[self.prefix_rows, self.sequences]
 
+    def token_kl(self, logits: Tensor, ref_logits: Tensor) -> Tensor:
+        """[N, T] KL(pi(.|y_<t) || pi_ref(.|y_<t)) at every position of every sequence: the exact
+        next-token KL that estimator `full` puts in place of a sampled token's estimate."""
+        logp, ref_logp = torch.log_softmax(logits, dim=-1), torch.log_softmax(ref_logits, dim=-1)
+        return (logp.exp() * (logp - ref_logp)).sum(-1)[self.prefix_rows]
+
     def seq_logp(self, logits: Tensor) -> Tensor:
         """[N] log pi(y) of every sequence."""
         return self.token_logp(logits).sum(dim=-1)

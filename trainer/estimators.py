@@ -1,0 +1,70 @@
+"""The KL estimators: one registration each, with its formula, its inputs, its theory and its style.
+
+With the token log-ratio l = log pi_theta - log pi_ref of a sampled token (KL_THEORY.md):
+
+    k1 = l              unbiased, high variance, can be negative
+    k2 = l**2 / 2       biased, second-order match to the KL
+    k3 = r - 1 + l      r = exp(-l): unbiased, never negative, low variance
+    full                the exact next-token KL(pi(.|y_<t) || pi_ref(.|y_<t)), summed over the
+                        vocabulary from both models' hidden states (trainer.full_kl): no sampling
+                        noise at the token (Rao-Blackwellised; Amini, Vieira and Cotterell 2025)
+
+A sampled-token estimator's formula maps l (and k3's exponent bound, see trainer.kl) to the
+per-token estimate using tensor methods only, so this module needs no torch.
+
+`theory` is KL_THEORY.md's on-policy statement for responses longer than one token, keyed by
+(placement, kl_loss_ratio): the verdict `trainer.audit` must reach. docs/full_kl.md derives full's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from trainer.registry import Registry
+
+SAMPLED = "sampled"  # log-probs of the sampled tokens under both models
+FULL = "full"        # both models' last hidden states: whole next-token distributions
+
+
+@dataclass(frozen=True)
+class Estimator:
+    name: str
+    summary: str
+    inputs: str = SAMPLED
+    formula: Callable[[Any, float], Any] | None = None  # (l, k3's exponent bound) -> estimate, SAMPLED only
+    clamps: bool = False                                 # the formula bounds an exponent (trainer.kl)
+    theory: dict[tuple[str, str], str] = field(default_factory=dict)
+    color: str = "tab:gray"
+    marker: str = "X"
+
+    def __post_init__(self) -> None:
+        if (self.formula is None) != (self.inputs == FULL):
+            raise ValueError(f"estimator {self.name!r}: a formula exactly when its inputs are {SAMPLED!r}")
+
+
+REGISTRY: Registry[Estimator] = Registry("KL estimator")
+
+REGISTRY.register(Estimator(
+    "k1", "l", formula=lambda lr, bound: lr,
+    theory={("reward", "none"): "unbiased", ("loss", "none"): "zero", ("reward+loss", "none"): "unbiased"},
+    color="tab:blue", marker="o"))
+REGISTRY.register(Estimator(
+    "k2", "l^2 / 2", formula=lambda lr, bound: 0.5 * lr.square(),
+    theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
+            ("reward+loss", "none"): "biased"},
+    color="tab:orange", marker="s"))
+# (exp(-l) - 1) + l, the exponent clamped at `bound`; expm1 keeps precision for small |l|
+REGISTRY.register(Estimator(
+    "k3", "exp(-l) - 1 + l", formula=lambda lr, bound: (-lr).clamp(max=bound).expm1() + lr, clamps=True,
+    theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix forward",
+            ("reward+loss", "none"): "unbiased", ("loss", "differentiable"): "per-prefix reverse"},
+    color="tab:green", marker="^"))
+REGISTRY.register(Estimator(
+    "full", "sum_v pi(v) log(pi(v) / pi_ref(v))", inputs=FULL,
+    theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
+            ("reward+loss", "none"): "unbiased", ("loss", "differentiable"): "per-prefix reverse",
+            ("reward+loss", "differentiable"): "unbiased"},
+    color="tab:red", marker="D"))
+
+SAMPLED_ESTIMATORS = tuple(e.name for e in REGISTRY if e.inputs == SAMPLED)
