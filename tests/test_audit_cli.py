@@ -22,7 +22,8 @@ def test_audit_prints_the_table_and_writes_csv_json_markdown(tmp_path):
     assert "per-prefix forward (agrees)" in result.stdout
     assert "DISAGREES" not in result.stdout
     rows = list(csv.DictReader((tmp_path / "gradient_audit.csv").open()))
-    assert len(rows) == 15 + 21 + 9  # on-policy: 9 + 6 differentiable; off-policy: 3 reward + 18 loss; 9 sequence
+    # per estimator (k1, k2, k3, full): on-policy 3 + 2 differentiable; off-policy 1 reward + 6 loss; 3 sequence
+    assert len(rows) == 4 * (5 + 7 + 3)
     data = json.loads((tmp_path / "gradient_audit.json").read_text())
     assert data["setup"]["seeds"] == [0] and len(data["rows"]) == len(rows)
     verdicts = {(r["estimator"], r["placement"]): r["verdict"] for r in rows
@@ -58,8 +59,10 @@ def test_convergence_separates_unbiased_from_biased_configurations():
     audit = convergence.convergence_audit(steps=300, groups_per_step=16, progress=False)
     final = audit.final
     start = audit.setup["start_kl_to_optimum"]
-    unbiased = [final["k1 reward"], final["k1 reward+loss"], final["k3 reward+loss"]]
-    biased = [final[name] for name in ("k2 loss", "k3 loss", "k2 reward+loss", "k2 reward", "k3 reward")]
+    assert convergence.unbiased_labels() == {"k1 reward", "k1 reward+loss", "k3 reward+loss", "full reward+loss"}
+    unbiased = [final[name] for name in convergence.unbiased_labels()]
+    biased = [final[name] for name in ("k2 loss", "k3 loss", "k2 reward+loss", "k2 reward", "k3 reward", "full loss",
+                                       "full reward")]
     assert max(unbiased) < start / 100          # the unbiased ones close in on pi*
     assert max(unbiased) < min(biased)          # every biased one ends further away
     assert final["k1 reward"] < 1e-6            # zero-variance fixed point: all shaped rewards equal at pi*

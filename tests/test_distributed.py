@@ -41,10 +41,15 @@ def _assert_close(a, b, atol):
     {"train.micro_batch_size": 8, "objective.loss_agg": "seq-mean-token-mean"},
     {"train.gradient_checkpointing": "true"},
     {"train.micro_batch_size": 4, "train.gradient_checkpointing": "true", "train.logprob_chunk": 0},
+    # advantages normalised over the whole minibatch: computed once for it, not per micro-batch
+    {"train.micro_batch_size": 4, "objective.advantage": "reinforce++"},
+    # the exact full-vocabulary KL, in the reward and the loss, in chunks of 3 tokens
+    {"train.micro_batch_size": 4, "objective.estimator": "full", "objective.placement": "reward+loss",
+     "train.logprob_chunk": 3},
 ])
 def test_micro_batches_and_checkpointing_make_the_same_update(warm_model, tmp_path, extra):
-    whole, grad_whole = _one_step(warm_model, tmp_path, "whole", **{k: v for k, v in extra.items()
-                                                                   if k.startswith("objective")})
+    same = {k: v for k, v in extra.items() if k.startswith("objective") or (k == "train.logprob_chunk" and v)}
+    whole, grad_whole = _one_step(warm_model, tmp_path, "whole", **same)
     parts, grad_parts = _one_step(warm_model, tmp_path, "parts", **extra)
     largest = max(float(g.abs().max()) for g in grad_whole.values())
     _assert_close(grad_whole, grad_parts, atol=1e-5 * largest)
@@ -83,8 +88,10 @@ def _train(out, model, processes, **extra):
 @pytest.mark.slow
 def test_two_processes_make_the_same_updates_as_one(warm_model, tmp_path):
     """accelerate launch, two CPU processes over gloo, FSDP2-sharded policy and reference, the hf engine
-    on a synced replica, two minibatches split over both, micro-batches: the run of one process."""
-    measure = {"measure.prompts": 6, "measure.samples": 3, "measure.reference_samples": 4}  # 3 prompts each
+    on a synced replica, two minibatches split over both, micro-batches: the run of one process. With
+    REINFORCE++'s advantages, normalised over the whole minibatch: every process's rows together."""
+    measure = {"measure.prompts": 6, "measure.samples": 3, "measure.reference_samples": 4,  # 3 prompts each
+               "objective.advantage": "reinforce++"}
     one = _train(tmp_path / "one", warm_model, 1, **{"train.minibatches": 2, **measure})  # 8 rows per update
     two = _train(tmp_path / "two", warm_model, 2, **{"train.minibatches": 2, "train.micro_batch_size": 4, **measure})
     for a, b in zip(one, two, strict=True):

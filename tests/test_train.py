@@ -159,8 +159,8 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(warm_model, tmp_path, 
 
     config = run_config.load(None, overrides(warm_model, **{"train.max_nonfinite_updates": 2}))
     run = Run(config, tmp_path / "nan")
-    real = loop.compute_loss
-    monkeypatch.setattr(loop, "compute_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
+    real = loop.policy_loss
+    monkeypatch.setattr(loop, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     before = _weights_hash(run.policy)
     line = run.run_step()
     assert line["skipped_updates"] == 1 and _weights_hash(run.policy) == before
@@ -225,13 +225,13 @@ def test_minibatches_and_epochs_make_several_off_policy_updates_per_batch(warm_m
         "train.minibatches": 2, "train.epochs": 2, "objective.clip_eps": 0.2, "rollout.recompute_logprobs": "true"}))
     run = Run(config, tmp_path / "ppo")
     seen = []
-    real = loop.compute_loss
+    real = loop.policy_loss
 
-    def recording(logp, ref_logp, old_logp, rewards, mask, group_size, objective, *rest):
+    def recording(logp, ref_logp, old_logp, adv, mask, objective, *rest):
         seen.append((logp.shape[0], old_logp is not None, float(((logp.detach() - old_logp).abs() * mask).max())))
-        return real(logp, ref_logp, old_logp, rewards, mask, group_size, objective, *rest)
+        return real(logp, ref_logp, old_logp, adv, mask, objective, *rest)
 
-    monkeypatch.setattr(loop, "compute_loss", recording)
+    monkeypatch.setattr(loop, "policy_loss", recording)
     line = run.run_step()
     assert [rows for rows, _, _ in seen] == [8, 8, 8, 8]  # 4 prompts x 4 samples, in 2 minibatches, twice
     assert all(has_old for _, has_old, _ in seen)  # the behaviour log-probs feed the importance ratio
@@ -255,6 +255,30 @@ def test_training_with_sequence_level_weights_off_policy(warm_model, tmp_path):
     assert all(line["seq_ratio_max"] <= 1.02 + 1e-9 for line in lines)
     assert any(line["seq_ratio_truncated_frac"] > 0 for line in stale)
     assert all(math.isfinite(line["loss"]) and not line.get("skipped_updates") for line in lines)
+
+
+@pytest.mark.parametrize("reward_kl", ["current", "sampler"])
+def test_training_with_the_full_vocabulary_kl_and_sequence_weights(warm_model, tmp_path, reward_kl):
+    """Estimator full in the reward and the loss, on rollouts one step stale under sequence weights.
+    The KL in the reward is the policy's own (current: the same as the loss pass's kl_full) or that of
+    the policy that sampled, fixed for the batch (sampler: not the policy that is being updated)."""
+    beta = 0.5
+    config = run_config.load(None, overrides(warm_model, **{
+        "train.async_level": 1, "train.steps": 4, "train.lr": "1e-3", "train.logprob_chunk": 5,
+        "objective.estimator": "full", "objective.placement": "reward+loss", "objective.beta": beta,
+        "objective.pg_ratio": "sequence", "objective.kl_loss_ratio": "sequence", "objective.reward_kl": reward_kl}))
+    run = Run(config, tmp_path / reward_kl)
+    lines = [run.run_step() for _ in range(4)]
+    run.verifier.close()
+    assert all(math.isfinite(line["loss"]) and not line["skipped_updates"] for line in lines)
+    assert lines[0]["kl_full"] == pytest.approx(0.0, abs=1e-6) and lines[-1]["kl_full"] > 1e-4  # pi moves off pi_ref
+    assert all(line["kl_full"] >= -1e-7 for line in lines)  # an exact KL: never negative, unlike kl_k1
+    shaped_by_current = [line["reward_mean"] - beta * line["kl_full"] for line in lines]
+    gaps = [abs(line["reward_shaped_mean"] - expected) for line, expected in zip(lines, shaped_by_current, strict=True)]
+    if reward_kl == "current":
+        assert max(gaps) < 1e-5
+    else:  # rollouts of step s - 1: their sampler's KL, one update behind
+        assert gaps[0] < 1e-5 and max(gaps[2:]) > 1e-5
 
 
 def test_tis_against_an_exact_engine_weights_every_token_by_one(warm_model, tmp_path):

@@ -238,6 +238,9 @@ def validate(config: RunConfig) -> None:
     if needs_pairs and t.group_size < 2:
         raise ConfigError(f"train.group_size: advantage {config.objective.advantage} needs group_size >= 2, "
                           f"got {t.group_size}")
+    if config.objective.needs_full_kl and t.logprob_chunk == 0:
+        raise ConfigError(f"train.logprob_chunk: estimator {config.objective.estimator} computes the KL over the "
+                          "vocabulary a chunk of tokens at a time; set a chunk > 0 (0 would build [B, T, V] logits)")
     if t.prompts_per_step % t.minibatches:
         raise ConfigError(f"train.minibatches: {t.minibatches} does not divide prompts_per_step "
                           f"{t.prompts_per_step} (minibatches hold whole groups)")

@@ -14,19 +14,27 @@ from pathlib import Path
 
 import torch
 
-from trainer import kl, tabular
-from trainer.objective import PLACEMENTS, ObjectiveConfig, compute_loss
+from trainer import estimators, tabular
+from trainer.objective import ObjectiveConfig, compute_loss
+from trainer.placements import KL_PLACEMENTS
 from trainer.progress import progress_bar
 
 
 def on_policy_configs(beta: float, advantage: str) -> dict[str, ObjectiveConfig]:
-    """The no-KL baseline and every estimator x placement, keyed by a readable label."""
+    """The no-KL baseline and every registered estimator x placement, keyed by a readable label.
+    (On-policy the sequence-level weights are exactly 1: they add no configuration here.)"""
     configs = {"none": ObjectiveConfig(placement="none", beta=beta, advantage=advantage)}
-    for estimator in kl.ESTIMATORS:
-        for placement in PLACEMENTS[1:]:
+    for estimator in estimators.REGISTRY.names:
+        for placement in KL_PLACEMENTS:
             configs[f"{estimator} {placement}"] = ObjectiveConfig(
                 estimator=estimator, placement=placement, beta=beta, advantage=advantage)
     return configs
+
+
+def unbiased_labels() -> set[str]:
+    """The configurations whose expected gradient is grad KL(pi || pi_ref) (the registered theory)."""
+    return {f"{spec.name} {placement}" for spec in estimators.REGISTRY
+            for (placement, ratio), verdict in spec.theory.items() if ratio == "none" and verdict == "unbiased"}
 
 
 @dataclass(frozen=True)
@@ -75,8 +83,9 @@ def convergence_audit(vocab: int = 3, length: int = 2, group_size: int = 4, grou
             with torch.no_grad():
                 probs = token_logp.sum(-1).exp()
                 rows = torch.multinomial(probs, batch, replacement=True, generator=sampler)
+            token_kl = space.token_kl(theta, ref_logits)[rows] if config.needs_full_kl else None
             loss, _ = compute_loss(token_logp[rows], ref_token_logp[rows], None, rewards[rows], mask,
-                                   group_size, config)
+                                   group_size, config, token_kl=token_kl)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -120,7 +129,7 @@ def plot_convergence(audit: ConvergenceAudit, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    unbiased = {"k1 reward", "k1 reward+loss", "k3 reward+loss"}
+    unbiased = unbiased_labels()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     for label, curve in audit.curves.items():
         style = "-" if label in unbiased else ("--" if label != "none" else ":")

@@ -14,6 +14,7 @@ loss part is normalised by the whole minibatch's rows and tokens.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -44,7 +45,7 @@ from trainer.distributed import (
 )
 from trainer.logprobs import CompletionLogprobs, PackedBatch, pack, token_matrix
 from trainer.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
-from trainer.objective import combine_stats, compute_loss
+from trainer.objective import Advantages, advantage_stats, batch_advantages, combine_stats, policy_loss, reward_kl
 from trainer.objective_measure import ObjectiveProbe
 from trainer.progress import progress_bar
 from trainer.rollout import make_engine
@@ -72,16 +73,19 @@ class PendingBatch:
 
     trainer_logprobs  the trainer's log-probs of the sampled tokens under the policy that sampled
                       them (computed right after generation); rollouts.logprobs are the engine's
+    trainer_token_kl  the exact KL(pi || pi_ref) over the vocabulary at each sampled position, under
+                      the policy that sampled (only where estimator full shapes the reward)
     """
 
     policy_step: int
     rollouts: Rollouts
     rewards: list[float]
     trainer_logprobs: list[list[float]]
+    trainer_token_kl: list[list[float]] | None = None
 
     def to_state(self) -> dict[str, Any]:
         return {"policy_step": self.policy_step, "rollouts": self.rollouts.to_state(), "rewards": self.rewards,
-                "trainer_logprobs": self.trainer_logprobs}
+                "trainer_logprobs": self.trainer_logprobs, "trainer_token_kl": self.trainer_token_kl}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "PendingBatch":
@@ -90,7 +94,7 @@ class PendingBatch:
         if trainer_logprobs is None:  # a checkpoint from before they were kept: the engine's stand in
             log.warning("a pending batch of the checkpoint has no trainer log-probs; the engine's stand in for them")
             trainer_logprobs = rollouts.logprobs
-        return cls(state["policy_step"], rollouts, state["rewards"], trainer_logprobs)
+        return cls(state["policy_step"], rollouts, state["rewards"], trainer_logprobs, state.get("trainer_token_kl"))
 
 
 def mismatch_sums(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -186,6 +190,9 @@ def _check_world(config: RunConfig, world: World) -> None:
     if t.micro_batch_size and rows % t.micro_batch_size:
         raise ConfigError(f"train.micro_batch_size: {t.micro_batch_size} does not divide the {rows} completions "
                           f"each process trains on per minibatch")
+    if world.sharded and config.objective.needs_full_kl:
+        raise ConfigError(f"objective.estimator: {config.objective.estimator} reads the reference's output layer "
+                          "outside its forward pass, which FSDP shards: run it in one process")
     if config.measure.prompts % world.size:
         raise ConfigError(f"measure.prompts: {config.measure.prompts} held-out prompts do not split evenly over "
                           f"{world.size} processes")
@@ -350,27 +357,49 @@ class Run:
         indices, seeds = zip(*self.world.my_share(list(zip(indices, seeds, strict=True)), t.minibatches), strict=True)
         prompt_ids, problems = self._encode_prompts(list(indices))
         rollouts = self.engine.generate(prompt_ids, self.params, list(seeds))
+        packed = pack(rollouts, self.tokenizer.pad_token_id).to(self.device)
+        objective = self.config.objective
         with torch.no_grad():  # the policy that just sampled, as the trainer computes it
-            logp, _ = self._logprobs(self.policy, pack(rollouts, self.tokenizer.pad_token_id).to(self.device))
-        trainer_logprobs = [row[: len(t)].tolist() for row, t in zip(logp.cpu(), rollouts.token_ids, strict=True)]
+            logp, token_kl, _ = self._sampled_logprobs(packed, full=objective.needs_full_kl and objective.kl_in_reward)
+
+        def ragged(values: torch.Tensor) -> list[list[float]]:
+            return [row[: len(tokens)].tolist() for row, tokens in zip(values.cpu(), rollouts.token_ids, strict=True)]
+
         expanded = [p for p in problems for _ in range(self.params.n)]
         try:
             rewards = self.task.reward(rollouts.texts, expanded, self.verifier)
         except VerifierUnavailable as error:
             raise TrainingError(str(error)) from None
-        return PendingBatch(self.step, rollouts, rewards, trainer_logprobs)
+        return PendingBatch(self.step, rollouts, rewards, ragged(logp), None if token_kl is None else ragged(token_kl))
+
+    def _precision(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _logprobs(self, model: CompletionLogprobs, batch: PackedBatch, with_entropy: bool = False):
-        if self.autocast_dtype is None:
-            return model(batch, with_entropy)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+        with self._precision():
             return model(batch, with_entropy)
 
-    def _update(self, batch: PackedBatch, rewards: torch.Tensor, ref_logp: torch.Tensor,
+    def _sampled_logprobs(self, batch: PackedBatch, with_entropy: bool = False, full: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The policy's log-probs of the sampled tokens; with `full`, its exact KL to the reference at each
+        position (else None); with `with_entropy`, each position's entropy (else None). [B, T] each."""
+        if not full:
+            logp, entropy = self._logprobs(self.policy, batch, with_entropy)
+            return logp, None, entropy
+        with self._precision():
+            with torch.no_grad():
+                reference = self.reference.completion_states(batch)
+            logp, entropy, token_kl = self.policy.with_token_kl(batch, reference, with_entropy)
+        return logp, token_kl, entropy
+
+    def _update(self, batch: PackedBatch, adv: Advantages, ref_logp: torch.Tensor,
                 old_logp: torch.Tensor | None, engine_logp: torch.Tensor | None,
                 with_entropy: bool) -> dict[str, float]:
-        """One optimizer update on this process's part of a minibatch (whole groups), a micro-batch at
-        a time; skipped everywhere if any process's loss or gradient is non-finite."""
+        """One optimizer update on this process's part of a minibatch (whole groups, whose advantages
+        `adv` were computed over the whole minibatch), a micro-batch at a time; skipped everywhere if
+        any process's loss or gradient is non-finite."""
         c, world = self.config, self.world
         rows = batch.completion_ids.shape[0]
         totals = (rows * world.size, max(1.0, world.sum(float(batch.completion_mask.sum()))))
@@ -383,12 +412,12 @@ class Run:
             if world.sharded:  # reduce the gradients once, after the last micro-batch
                 self.policy.set_requires_gradient_sync(start == starts[-1])
             micro = batch.rows(part)
-            logp, entropy = self._logprobs(self.policy, micro, with_entropy)
-            loss, stats = compute_loss(logp, ref_logp[part], None if old_logp is None else old_logp[part],
-                                       rewards[part], micro.completion_mask, c.train.group_size, c.objective, totals,
-                                       None if engine_logp is None else engine_logp[part])
+            logp, token_kl, entropy = self._sampled_logprobs(micro, with_entropy, c.objective.needs_full_kl)
+            loss, stats = policy_loss(logp, ref_logp[part], None if old_logp is None else old_logp[part],
+                                      adv.values[part], micro.completion_mask, c.objective, totals,
+                                      None if engine_logp is None else engine_logp[part], token_kl)
             (loss * world.size).backward()  # FSDP averages gradients over processes; the parts must add up
-            stats["loss"] = float(loss.detach())
+            stats.update(advantage_stats(adv.rows(part)), loss=float(loss.detach()))
             if entropy is not None:
                 mask = micro.completion_mask
                 stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
@@ -432,11 +461,21 @@ class Run:
         exactly_on_policy = c.train.async_level == 0 and c.train.minibatches == 1 and c.train.epochs == 1
         old_logp = None if exactly_on_policy else behaviour
         rows = len(entry.rollouts) // c.train.minibatches
+        sampler_kl = None
+        if c.objective.kl_in_reward:  # the sampler's, once per batch
+            token_kl = None if entry.trainer_token_kl is None else token_matrix(entry.trainer_token_kl,
+                                                                               trainer_logp.shape[1]).to(self.device)
+            sampler_kl = reward_kl(c.objective, trainer_logp, ref_logp, batch.completion_mask, token_kl)
         updates: list[dict[str, float]] = []
         for epoch in range(c.train.epochs):
             for start in range(0, len(entry.rollouts), rows):
                 part = slice(start, start + rows)
-                updates.append(self._update(batch.rows(part), rewards[part], ref_logp[part],
+                moved = c.train.async_level > 0 or epoch > 0 or start > 0  # the policy is no longer the sampler
+                sequence_kl = sampler_kl[part] if sampler_kl is not None else None
+                if sequence_kl is not None and moved and c.objective.reward_kl == "current":
+                    sequence_kl = self._current_reward_kl(batch.rows(part), ref_logp[part])
+                adv = self._minibatch_advantages(rewards[part], sequence_kl)
+                updates.append(self._update(batch.rows(part), adv, ref_logp[part],
                                             None if old_logp is None else old_logp[part],
                                             engine_logp[part] if tis else None, epoch == 0))
         self.engine.sync_weights()
@@ -444,6 +483,33 @@ class Run:
         metrics = self._metrics(entry, batch, updates, mismatch, t0, t_gen, t_end)
         self.step += 1
         return metrics
+
+    @torch.no_grad()
+    def _current_reward_kl(self, batch: PackedBatch, ref_logp: torch.Tensor) -> torch.Tensor:
+        """The responses' KL estimates under the policy as it is now (objective.reward_kl current), a
+        micro-batch at a time."""
+        size = self.config.train.micro_batch_size or batch.completion_ids.shape[0]
+        parts = []
+        for start in range(0, batch.completion_ids.shape[0], size):
+            micro = batch.rows(slice(start, start + size))
+            logp, token_kl, _ = self._sampled_logprobs(micro, full=self.config.objective.needs_full_kl)
+            parts.append(reward_kl(self.config.objective, logp, ref_logp[start:start + size],
+                                   micro.completion_mask, token_kl))
+        return torch.cat(parts)
+
+    def _minibatch_advantages(self, rewards: torch.Tensor, sequence_kl: torch.Tensor | None) -> Advantages:
+        """Shaped rewards and advantages over the whole minibatch, every process's rows together (so an
+        advantage that normalises over the batch sees all of it), then this process's rows."""
+        c, world = self.config.objective, self.world
+        if not world.sharded:
+            return batch_advantages(rewards, sequence_kl, self.config.train.group_size, c)
+        mine = (rewards.cpu(), None if sequence_kl is None else sequence_kl.cpu())
+        everyone = world.gather(mine)
+        rewards_all = torch.cat([r for r, _ in everyone]).to(rewards.device)
+        kl_all = None if sequence_kl is None else torch.cat([k for _, k in everyone]).to(rewards.device)
+        adv = batch_advantages(rewards_all, kl_all, self.config.train.group_size, c)
+        rows = rewards.shape[0]
+        return adv.rows(slice(world.rank * rows, (world.rank + 1) * rows))
 
     def _metrics(self, entry: PendingBatch, batch: PackedBatch, updates: list[dict[str, float]],
                  mismatch: dict[str, float], t0: float, t_gen: float, t_end: float) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from trainer import advantages, placements
+from trainer import advantages, estimators, placements
 from trainer.choices import (
     ADVANTAGES,
     ESTIMATORS,
@@ -155,6 +155,11 @@ class ObjectiveConfig:
     @property
     def kl_in_loss(self) -> bool:
         return placements.REGISTRY[self.placement].in_loss
+
+    @property
+    def needs_full_kl(self) -> bool:
+        """Whether the loss needs the exact KL over the vocabulary (an estimator with inputs "full")."""
+        return self.placement != "none" and estimators.REGISTRY[self.estimator].inputs == estimators.FULL
 
     def inert_fields(self) -> frozenset[str]:
         """The fields this objective never reads: without a KL term its estimator, beta and ratio;
