@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from trainer import estimators, placements
+
 STANDARD = ("model", "estimator", "placement", "beta", "seed")
 STANDARD_KEYS = {"estimator": "objective.estimator", "placement": "objective.placement", "beta": "objective.beta",
                  "seed": "train.seed"}
@@ -27,8 +29,6 @@ NOT_AXES = {"model.path", "model.name", *STANDARD_KEYS.values()}  # the standard
 ID_PREFIXES = {"objective.kl_loss_ratio": "ratio-", "train.async_level": "async", "objective.advantage": "adv-",
                "objective.loss_agg": "agg-", "objective.clip_eps": "clip", "objective.tis_cap": "tis",
                "train.lr": "lr", "train.group_size": "g", "train.epochs": "epochs", "train.minibatches": "mb"}
-ESTIMATOR_ORDER = {"k1": 0, "k2": 1, "k3": 2}
-PLACEMENT_ORDER = {"reward": 0, "loss": 1, "reward+loss": 2}
 NO_VALUE = "-"  # a coordinate the run does not use, in tables
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+,=-]")
 
@@ -193,5 +193,5 @@ def sort_key(coords: dict[str, Any]) -> tuple:
     extra = tuple(_order(coords[key]) for key in extra_of(coords))
     kl = coords["placement"] != "none"
     return (coords["model"], 0 if kl else 1, float(coords["beta"] or 0.0) if kl else 0.0, extra,
-            ESTIMATOR_ORDER.get(coords["estimator"], 9), PLACEMENT_ORDER.get(coords["placement"], 9),
+            estimators.REGISTRY.order(coords["estimator"]), placements.REGISTRY.order(coords["placement"]),
             _order(coords["seed"]))

@@ -19,12 +19,16 @@ import numpy as np
 from sweep import axes
 from sweep.runs import RunRecord
 from sweep.table import OBJECTIVE_COLUMNS, REFERENCE, Group, extra_axes
+from trainer import estimators, placements
 from trainer.optimum import frontier, optimal_kl, optimal_reward, optimal_value, reference_value
+from trainer.placements import KL_PLACEMENTS
 
 CURVES = ("reward_mean", "kl_k3", "entropy", "response_length")
-ESTIMATOR_COLORS = {"k1": "tab:blue", "k2": "tab:orange", "k3": "tab:green"}
-ESTIMATOR_MARKERS = {"k1": "o", "k2": "s", "k3": "^"}  # reward-against-KL figure: marker = estimator,
-PLACEMENT_FILLS = {"reward": "full", "loss": "none", "reward+loss": "left"}  # fill = placement, colour = beta
+# as the trainer's registries draw them; the reward-against-KL figure: marker = estimator, fill = placement,
+# colour = beta
+ESTIMATOR_COLORS = {spec.name: spec.color for spec in estimators.REGISTRY}
+ESTIMATOR_MARKERS = {spec.name: spec.marker for spec in estimators.REGISTRY}
+PLACEMENT_FILLS = {spec.name: spec.fill for spec in placements.REGISTRY if spec.name in KL_PLACEMENTS}
 
 
 def _pyplot():
@@ -292,8 +296,10 @@ def _reward_vs_kl(mine: list[RunRecord], histograms: list, title: str, path: Pat
         ax.errorbar(statistics.fmean(kls), statistics.fmean(rewards), xerr=_spread(kls), yerr=_spread(rewards),
                     marker=ESTIMATOR_MARKERS.get(estimator, "X"), fillstyle=PLACEMENT_FILLS.get(placement, "full"),
                     markersize=7, color=color, capsize=2, linestyle="none", elinewidth=0.7)
+    shown = {label.partition("-")[0] for _, label in groups}
     for estimator, marker in ESTIMATOR_MARKERS.items():  # the key to the markers, in black
-        ax.plot([], [], marker=marker, color="black", linestyle="none", label=estimator)
+        if estimator in shown:
+            ax.plot([], [], marker=marker, color="black", linestyle="none", label=estimator)
     for placement, fill in PLACEMENT_FILLS.items():
         ax.plot([], [], marker="o", fillstyle=fill, color="black", linestyle="none", label=f"KL in the {placement}")
     ax.plot([], [], marker="X", color="gray", linestyle="none", label="no KL")

@@ -153,7 +153,7 @@ def test_bad_study_config_stops_snakemake_before_any_job(tmp_path):
     assert not (tmp_path / "results").exists()  # nothing ran
 
     config = json.loads(json.dumps(REDUCED))
-    config["grid"]["placements"] = ["everywhere"]  # the schema's own check
+    config["grid"]["placements"] = ["everywhere"]  # sweep.grid checks the names against the trainer's registries
     result = snakemake(tmp_path, write_config(tmp_path, config))
     assert result.returncode != 0 and "everywhere" in result.stderr + result.stdout
     assert not (tmp_path / "results").exists()
