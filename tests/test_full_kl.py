@@ -1,0 +1,100 @@
+"""Estimator full: the exact next-token KL, chunked, equals the naive [N, V] computation in values and
+gradients, on raw hidden states and on a model; and its errors name their cause."""
+
+import copy
+
+import pytest
+import torch
+from run_helpers import overrides
+
+from trainer import config as run_config
+from trainer import kl
+from trainer.full_kl import HeadInputs, token_kl, token_kl_naive
+from trainer.logprobs import CompletionLogprobs, pack
+from trainer.models import load_model
+from trainer.objective import ObjectiveConfig, compute_loss
+from trainer.rollout.base import Rollouts
+
+
+def _head(n, h, v, with_bias, gen):
+    def randn(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=gen).requires_grad_()
+    return HeadInputs(randn(n, h), randn(v, h), randn(v) if with_bias else None)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_full_kl_and_its_gradients_match_the_naive_computation(chunk, with_bias):
+    gen = torch.Generator().manual_seed(0)
+    policy, reference = _head(40, 8, 53, with_bias, gen), _head(40, 6, 53, with_bias, gen)  # hidden sizes may differ
+    inputs = [t for head in (policy, reference) for t in (head.hidden, head.weight, head.bias) if t is not None]
+    upstream = torch.randn(40, dtype=torch.float64, generator=gen)
+    expected = token_kl_naive(policy, reference, temperature=0.8)
+    got = token_kl(policy, reference, temperature=0.8, chunk=chunk)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-13)
+    assert bool((got >= 0).all())  # an exact KL
+    for a, b in zip(torch.autograd.grad((got * upstream).sum(), inputs),
+                    torch.autograd.grad((expected * upstream).sum(), inputs), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_frozen_reference_gets_no_gradient_and_costs_none():
+    gen = torch.Generator().manual_seed(1)
+    policy = _head(10, 4, 11, False, gen)
+    reference = HeadInputs(torch.randn(10, 4, dtype=torch.float64), torch.randn(11, 4, dtype=torch.float64), None)
+    token_kl(policy, reference, chunk=3).sum().backward()
+    assert policy.hidden.grad is not None and policy.weight.grad is not None
+    assert reference.hidden.grad is None and reference.weight.grad is None
+
+
+def test_shape_errors_name_their_cause():
+    gen = torch.Generator().manual_seed(2)
+    with pytest.raises(ValueError, match="vocabulary"):
+        token_kl(_head(4, 3, 5, False, gen), _head(4, 3, 6, False, gen))
+    with pytest.raises(ValueError, match=r"hidden states \[N, H\]"):
+        token_kl(_head(4, 3, 5, False, gen), _head(3, 3, 5, False, gen))
+
+
+def test_a_model_gives_the_kl_of_its_whole_next_token_distributions(toy_model):
+    """CompletionLogprobs.with_token_kl against the whole-vocabulary log-probs of both models, float64,
+    with the same log-probs and gradients as its forward pass; padding stays 0."""
+    torch.manual_seed(0)
+    policy_lm = load_model(str(toy_model)).double()
+    reference_lm = copy.deepcopy(policy_lm)
+    with torch.no_grad():
+        for p in policy_lm.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tokens = [[10, 11, 12, 13], [14], [15, 16], [17, 18, 19]]
+    rollouts = Rollouts(prompt_ids=[[5, 6, 7], [8, 9]], n=2, token_ids=tokens,
+                        logprobs=[[0.0] * len(t) for t in tokens], texts=[""] * 4, finish_reasons=["length"] * 4)
+    batch = pack(rollouts, pad_id=0)
+    policy, reference = CompletionLogprobs(policy_lm, 0.9, chunk=3), CompletionLogprobs(reference_lm, 0.9, chunk=3)
+    with torch.no_grad():
+        states = reference.completion_states(batch)
+        whole_ref, _ = reference(batch, whole_vocabulary=True)
+    logp, entropy, kl = policy.with_token_kl(batch, states, with_entropy=True)
+    whole, _ = policy(batch, whole_vocabulary=True)
+    expected = (whole.exp() * (whole - whole_ref)).sum(-1) * batch.completion_mask
+    torch.testing.assert_close(kl, expected, rtol=1e-10, atol=1e-12)
+    assert (kl == 0).sum() == (batch.completion_mask == 0).sum() and bool((kl > 0)[batch.completion_mask.bool()].all())
+    forward_logp, forward_entropy = policy(batch, with_entropy=True)
+    torch.testing.assert_close(logp, forward_logp, rtol=0, atol=0)
+    torch.testing.assert_close(entropy, forward_entropy, rtol=0, atol=0)
+    (grad_kl,) = torch.autograd.grad(kl.sum(), policy_lm.model.embed_tokens.weight)
+    (grad_expected,) = torch.autograd.grad(expected.sum(), policy_lm.model.embed_tokens.weight)
+    torch.testing.assert_close(grad_kl, grad_expected, rtol=1e-9, atol=1e-12)
+
+
+def test_compute_loss_with_full_needs_the_token_kl():
+    logp = torch.zeros(2, 3, dtype=torch.float64)
+    config = ObjectiveConfig(estimator="full", placement="loss")
+    with pytest.raises(ValueError, match="estimator full: compute_loss needs token_kl"):
+        compute_loss(logp, logp, None, torch.zeros(2, dtype=torch.float64), torch.ones(2, 3), 2, config)
+    with pytest.raises(ValueError, match="from whole distributions"):
+        kl.estimate("full", logp, logp)
+
+
+def test_full_without_a_chunk_is_a_config_error(warm_model):
+    with pytest.raises(run_config.ConfigError, match="train.logprob_chunk: estimator full"):
+        run_config.load(None, overrides(warm_model, **{"objective.estimator": "full", "objective.placement": "loss",
+                                                       "train.logprob_chunk": 0}))
