@@ -57,14 +57,17 @@ def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int |
     raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {', '.join(LOSS_AGGS)}")
 
 
-def _check_inputs(logp: Tensor, rewards: Tensor | None, group_size: int | None, **named: Tensor | None) -> None:
+def _check_inputs(logp: Tensor, per_response: dict[str, Tensor], group_size: int | None,
+                  **named: Tensor | None) -> None:
+    """`named` tensors are [B, T] like logp; `per_response` ones (rewards, advantages) are [B]."""
     if logp.dim() != 2:
         raise ValueError(f"logp must have shape [B, T], got {tuple(logp.shape)}")
     for name, tensor in named.items():
         if tensor is not None and tensor.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
-    if rewards is not None and rewards.shape != logp.shape[:1]:
-        raise ValueError(f"rewards must have shape [{logp.shape[0]}], got {tuple(rewards.shape)}")
+    for name, tensor in per_response.items():
+        if tensor.shape != logp.shape[:1]:
+            raise ValueError(f"{name} must have shape [{logp.shape[0]}], got {tuple(tensor.shape)}")
     if group_size is not None and (group_size < 1 or logp.shape[0] % group_size):
         raise ValueError(f"batch of {logp.shape[0]} rows is not a whole number of groups of {group_size}")
 
@@ -154,7 +157,7 @@ def compute_loss(
     The KL in the reward is computed from mu's log-probs (config.reward_kl "sampler", when old_logp
     is given) or from pi_theta's ("current").
     """
-    _check_inputs(logp, rewards, group_size, ref_logp=ref_logp, mask=mask, old_logp=old_logp,
+    _check_inputs(logp, {"rewards": rewards}, group_size, ref_logp=ref_logp, mask=mask, old_logp=old_logp,
                   engine_logp=engine_logp, token_kl=token_kl, old_token_kl=old_token_kl)
     sequence_kl = None
     if config.kl_in_reward:
@@ -180,7 +183,7 @@ def policy_loss(
     """The loss of some rows given their advantages [B] (from `batch_advantages`): the policy-gradient
     term and, where the KL goes in the loss, beta x its KL term; with the loss statistics. The other
     arguments are `compute_loss`'s."""
-    _check_inputs(logp, adv, None, ref_logp=ref_logp, mask=mask, old_logp=old_logp, engine_logp=engine_logp,
+    _check_inputs(logp, {"adv": adv}, None, ref_logp=ref_logp, mask=mask, old_logp=old_logp, engine_logp=engine_logp,
                   token_kl=token_kl)
     if config.tis_cap is not None and engine_logp is None:
         raise ValueError("objective.tis_cap: compute_loss needs engine_logp, the engine's own log-probs")
