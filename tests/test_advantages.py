@@ -30,9 +30,25 @@ def test_reinforce_is_the_reward():
     assert advantages.reinforce(REWARDS, 2).tolist() == REWARDS.tolist()
 
 
+def test_reinforce_plus_plus_divides_the_group_centred_rewards_by_their_std_over_the_whole_batch():
+    centred = torch.tensor([-0.5, 0.5, -1.5, 1.5], dtype=torch.float64)
+    expected = centred / (centred.std() + 1e-4)
+    assert torch.allclose(advantages.reinforce_plus_plus(REWARDS, 2), expected)
+    # a batch-scope estimator: its first group's values depend on the other group (why the trainer
+    # computes advantages once per minibatch, over every process's rows)
+    assert not torch.allclose(advantages.reinforce_plus_plus(REWARDS[:2], 2), expected[:2])
+    assert advantages.REGISTRY["reinforce++"].scope == "batch"
+    assert {spec.scope for spec in advantages.REGISTRY if spec.name != "reinforce++"} == {"group"}
+
+
+def test_the_registry_refuses_a_second_registration_of_a_name():
+    with pytest.raises(ValueError, match="advantage 'rloo' is registered twice"):
+        advantages.REGISTRY.register(advantages.Advantage("rloo", advantages.rloo))
+
+
 def test_equal_rewards_give_zero_advantage():
     flat = torch.full((6,), 0.7, dtype=torch.float64)
-    for name in ("rloo", "grpo", "drgrpo"):
+    for name in ("rloo", "grpo", "drgrpo", "reinforce++"):
         assert torch.allclose(advantages.compute(name, flat, 3), torch.zeros(6, dtype=torch.float64))
 
 
@@ -43,5 +59,5 @@ def test_bad_inputs_give_clear_errors():
         advantages.rloo(REWARDS, 1)
     with pytest.raises(ValueError, match="shape"):
         advantages.drgrpo(REWARDS.view(2, 2), 2)
-    with pytest.raises(ValueError, match="unknown advantage 'ppo'.*rloo, grpo, drgrpo, reinforce"):
+    with pytest.raises(ValueError, match=r"unknown advantage 'ppo'.*rloo, grpo, drgrpo, reinforce, reinforce\+\+"):
         advantages.compute("ppo", REWARDS, 2)

@@ -9,9 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainer import tabular
+from trainer import estimators, kl, tabular
 from trainer.audit import (
     AuditInstance,
+    audit_configs,
     expectation,
     expected_gradient,
     gradient_audit,
@@ -321,3 +322,24 @@ def test_prefix_probabilities_sum_to_one_per_depth():
     assert torch.allclose(reach[1:4].sum(), torch.tensor(1.0, dtype=torch.float64))
     assert torch.allclose(reach[4:13].sum(), torch.tensor(1.0, dtype=torch.float64))
     assert torch.allclose(space.seq_logp(logits).exp().sum(), torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_a_new_estimator_is_one_registration_that_the_config_the_trainer_and_the_audit_pick_up(monkeypatch):
+    """Registering an estimator (here k1 scaled by 2, with its theory: twice grad KL is no target) makes it
+    a valid config choice, a loss the trainer computes, and audit rows whose verdicts are checked
+    against the registered theory."""
+    monkeypatch.setattr(estimators.REGISTRY, "_specs", dict(estimators.REGISTRY._specs))  # undone after the test
+    estimators.REGISTRY.register(estimators.Estimator(
+        "k1x2", "2 l", formula=lambda lr, bound: 2 * lr,
+        theory={("reward", "none"): "biased", ("loss", "none"): "zero", ("reward+loss", "none"): "biased"}))
+    config = ObjectiveConfig(estimator="k1x2", placement="reward", beta=BETA)
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    assert torch.equal(kl.estimate("k1x2", logp, logp - 0.5), torch.full((1, 2), 1.0, dtype=torch.float64))
+    assert ("on-policy", "k1x2", "reward+loss", "none", "token") in audit_configs()
+    inst = AuditInstance.random(3, 2, seed=0)
+    targets = target_gradients(inst)
+    assert rel_error(kl_part(inst, "k1x2", "reward", 2), 2 * targets["unbiased"]) < TOL
+    result = gradient_audit(vocab=3, length=2, group_size=2, seeds=(0,), progress=False)
+    rows = [r for r in result.rows if r.estimator == "k1x2" and r.sampling == "on-policy" and r.theory]
+    assert len(rows) == 3 and all(r.agrees for r in rows), [(r.placement, r.verdict) for r in rows]
+    assert config.needs_full_kl is False

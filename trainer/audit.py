@@ -22,9 +22,13 @@ from trainer.objective import ObjectiveConfig, compute_loss
 from trainer.placements import KL_PLACEMENTS
 from trainer.progress import progress_bar
 
-# KL_THEORY.md's statements (docs/full_kl.md's for full), on-policy, for responses longer than one
-# token, as each estimator registers them: (estimator, placement, kl_loss_ratio) -> verdict.
-THEORY_ON_POLICY = {(spec.name, *key): verdict for spec in estimators.REGISTRY for key, verdict in spec.theory.items()}
+
+def theory_on_policy(estimator: str, placement: str, ratio: str) -> str:
+    """KL_THEORY.md's statement (docs/full_kl.md's for full), on-policy, for responses longer than one
+    token, as the estimator registers it; '' where it states nothing."""
+    return estimators.REGISTRY[estimator].theory.get((placement, ratio), "")
+
+
 TARGETS = ("unbiased", "per-prefix reverse", "per-prefix forward")
 
 
@@ -215,9 +219,9 @@ def theory_of(sampling: str, estimator: str, placement: str, ratio: str, pg_rati
     if length < 2:
         return ""
     if sampling == "on-policy":
-        return THEORY_ON_POLICY.get((estimator, placement, ratio), "")
+        return theory_on_policy(estimator, placement, ratio)
     if pg_ratio == "sequence" and (placement == "reward" or ratio == "sequence"):
-        return THEORY_ON_POLICY[(estimator, placement, "none")]
+        return theory_on_policy(estimator, placement, "none")
     return ""
 
 

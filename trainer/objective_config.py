@@ -8,15 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from trainer import advantages, estimators, placements
-from trainer.choices import (
-    ADVANTAGES,
-    ESTIMATORS,
-    KL_LOSS_RATIOS,
-    LOSS_AGGS,
-    PG_RATIOS,
-    PLACEMENTS,
-    REWARD_KL_POLICIES,
-)
+from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, REWARD_KL_POLICIES
 
 
 def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
@@ -109,9 +101,9 @@ class ObjectiveConfig:
     reward_kl: str = "sampler"
 
     def __post_init__(self) -> None:
-        _choice("estimator", self.estimator, ESTIMATORS)
-        _choice("placement", self.placement, PLACEMENTS)
-        _choice("advantage", self.advantage, ADVANTAGES)
+        for key, registry in (("estimator", estimators.REGISTRY), ("placement", placements.REGISTRY),
+                              ("advantage", advantages.REGISTRY)):  # what is registered now
+            _choice(key, getattr(self, key), registry.names)
         _choice("loss_agg", self.loss_agg, LOSS_AGGS)
         _choice("kl_loss_ratio", self.kl_loss_ratio, KL_LOSS_RATIOS)
         _choice("pg_ratio", self.pg_ratio, PG_RATIOS)
