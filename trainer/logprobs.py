@@ -111,6 +111,10 @@ class CompletionLogprobs(torch.nn.Module):
         and the output layer: what whole next-token distributions are computed from (`trainer.full_kl`)."""
         return self._completion_states(batch, self._inputs(batch), self._head())
 
+    def logprobs_of(self, batch: PackedBatch, states: HeadInputs) -> torch.Tensor:
+        """`forward`'s log-probs ([B, T]) from this batch's `completion_states`, without another pass."""
+        return self._token_logprobs(batch, states, False)[0]
+
     def with_token_kl(self, batch: PackedBatch, reference: HeadInputs, with_entropy: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """`forward`'s log-probs and entropy, and the exact KL(pi || pi_ref) over the vocabulary at each
@@ -146,6 +150,15 @@ class CompletionLogprobs(torch.nn.Module):
                                             self.temperature, self.chunk, with_entropy)
         logp = _scatter(mask, flat)
         return logp, None if flat_entropy is None else _scatter(mask, flat_entropy.to(logp.dtype))
+
+
+def states_of_rows(states: HeadInputs, batch: PackedBatch, index: slice) -> HeadInputs:
+    """The part of a batch's `completion_states` that belongs to its rows `index` (a slice with a step of 1):
+    the states hold the completion tokens row after row."""
+    counts = batch.completion_mask.sum(-1).long().tolist()
+    start = sum(counts[: index.start or 0])
+    stop = start + sum(counts[index])
+    return HeadInputs(states.hidden[start:stop], states.weight, states.bias)
 
 
 def _scatter(mask: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,8 @@ from trainer.distributed import (
     load_optimizer_state,
     shard,
 )
-from trainer.logprobs import CompletionLogprobs, PackedBatch, pack, token_matrix
+from trainer.full_kl import HeadInputs
+from trainer.logprobs import CompletionLogprobs, PackedBatch, pack, states_of_rows, token_matrix
 from trainer.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
 from trainer.objective import Advantages, advantage_stats, batch_advantages, combine_stats, policy_loss, reward_kl
 from trainer.objective_measure import ObjectiveProbe
@@ -359,8 +360,11 @@ class Run:
         rollouts = self.engine.generate(prompt_ids, self.params, list(seeds))
         packed = pack(rollouts, self.tokenizer.pad_token_id).to(self.device)
         objective = self.config.objective
+        reference = None
+        if objective.needs_full_kl and objective.kl_in_reward:  # the sampler's exact KL, for the reward
+            reference = self._reference(packed, full=True)[1]
         with torch.no_grad():  # the policy that just sampled, as the trainer computes it
-            logp, token_kl, _ = self._sampled_logprobs(packed, full=objective.needs_full_kl and objective.kl_in_reward)
+            logp, token_kl, _ = self._sampled_logprobs(packed, reference=reference)
 
         def ragged(values: torch.Tensor) -> list[list[float]]:
             return [row[: len(tokens)].tolist() for row, tokens in zip(values.cpu(), rollouts.token_ids, strict=True)]
@@ -381,22 +385,31 @@ class Run:
         with self._precision():
             return model(batch, with_entropy)
 
-    def _sampled_logprobs(self, batch: PackedBatch, with_entropy: bool = False, full: bool = False
+    def _reference(self, batch: PackedBatch, full: bool) -> tuple[torch.Tensor, HeadInputs | None]:
+        """The reference's log-probs of the sampled tokens and, with `full`, its completion states (what the
+        exact KL is computed against), from one pass without gradient."""
+        with torch.no_grad(), self._precision():
+            if not full:
+                return self.reference(batch)[0], None
+            states = self.reference.completion_states(batch)
+            return self.reference.logprobs_of(batch, states), states
+
+    def _sampled_logprobs(self, batch: PackedBatch, with_entropy: bool = False,
+                          reference: HeadInputs | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The policy's log-probs of the sampled tokens; with `full`, its exact KL to the reference at each
-        position (else None); with `with_entropy`, each position's entropy (else None). [B, T] each."""
-        if not full:
+        """The policy's log-probs of the sampled tokens; given the `reference`'s completion states of the
+        batch, its exact KL to the reference at each position (else None); with `with_entropy`, each
+        position's entropy (else None). [B, T] each."""
+        if reference is None:
             logp, entropy = self._logprobs(self.policy, batch, with_entropy)
             return logp, None, entropy
         with self._precision():
-            with torch.no_grad():
-                reference = self.reference.completion_states(batch)
             logp, entropy, token_kl = self.policy.with_token_kl(batch, reference, with_entropy)
         return logp, token_kl, entropy
 
     def _update(self, batch: PackedBatch, adv: Advantages, ref_logp: torch.Tensor,
                 old_logp: torch.Tensor | None, engine_logp: torch.Tensor | None,
-                with_entropy: bool) -> dict[str, float]:
+                with_entropy: bool, ref_states: HeadInputs | None = None) -> dict[str, float]:
         """One optimizer update on this process's part of a minibatch (whole groups, whose advantages
         `adv` were computed over the whole minibatch), a micro-batch at a time; skipped everywhere if
         any process's loss or gradient is non-finite."""
@@ -412,7 +425,8 @@ class Run:
             if world.sharded:  # reduce the gradients once, after the last micro-batch
                 self.policy.set_requires_gradient_sync(start == starts[-1])
             micro = batch.rows(part)
-            logp, token_kl, entropy = self._sampled_logprobs(micro, with_entropy, c.objective.needs_full_kl)
+            reference = None if ref_states is None else states_of_rows(ref_states, batch, part)
+            logp, token_kl, entropy = self._sampled_logprobs(micro, with_entropy, reference)
             loss, stats = policy_loss(logp, ref_logp[part], None if old_logp is None else old_logp[part],
                                       adv.values[part], micro.completion_mask, c.objective, totals,
                                       None if engine_logp is None else engine_logp[part], token_kl)
@@ -449,8 +463,7 @@ class Run:
         t_gen = time.perf_counter()
         batch = pack(entry.rollouts, self.tokenizer.pad_token_id).to(self.device)
         rewards = torch.tensor(entry.rewards, dtype=torch.float32, device=self.device)
-        with torch.no_grad():
-            ref_logp, _ = self._logprobs(self.reference, batch)
+        ref_logp, ref_states = self._reference(batch, full=c.objective.needs_full_kl)
         engine_logp = batch.behaviour_logp
         trainer_logp = token_matrix(entry.trainer_logprobs, engine_logp.shape[1]).to(self.device)
         mismatch = mismatch_sums(engine_logp, trainer_logp, batch.completion_mask)
@@ -471,13 +484,15 @@ class Run:
             for start in range(0, len(entry.rollouts), rows):
                 part = slice(start, start + rows)
                 moved = c.train.async_level > 0 or epoch > 0 or start > 0  # the policy is no longer the sampler
+                minibatch = batch.rows(part)
+                states = None if ref_states is None else states_of_rows(ref_states, batch, part)
                 sequence_kl = sampler_kl[part] if sampler_kl is not None else None
                 if sequence_kl is not None and moved and c.objective.reward_kl == "current":
-                    sequence_kl = self._current_reward_kl(batch.rows(part), ref_logp[part])
+                    sequence_kl = self._current_reward_kl(minibatch, ref_logp[part], states)
                 adv = self._minibatch_advantages(rewards[part], sequence_kl)
-                updates.append(self._update(batch.rows(part), adv, ref_logp[part],
-                                            None if old_logp is None else old_logp[part],
-                                            engine_logp[part] if tis else None, epoch == 0))
+                old = None if old_logp is None else old_logp[part]
+                updates.append(self._update(minibatch, adv, ref_logp[part], old, engine_logp[part] if tis else None,
+                                            epoch == 0, states))
         self.engine.sync_weights()
         t_end = time.perf_counter()
         metrics = self._metrics(entry, batch, updates, mismatch, t0, t_gen, t_end)
@@ -485,14 +500,17 @@ class Run:
         return metrics
 
     @torch.no_grad()
-    def _current_reward_kl(self, batch: PackedBatch, ref_logp: torch.Tensor) -> torch.Tensor:
+    def _current_reward_kl(self, batch: PackedBatch, ref_logp: torch.Tensor, ref_states: HeadInputs | None
+                           ) -> torch.Tensor:
         """The responses' KL estimates under the policy as it is now (objective.reward_kl current), a
         micro-batch at a time."""
         size = self.config.train.micro_batch_size or batch.completion_ids.shape[0]
         parts = []
         for start in range(0, batch.completion_ids.shape[0], size):
-            micro = batch.rows(slice(start, start + size))
-            logp, token_kl, _ = self._sampled_logprobs(micro, full=self.config.objective.needs_full_kl)
+            part = slice(start, start + size)
+            micro = batch.rows(part)
+            reference = None if ref_states is None else states_of_rows(ref_states, batch, part)
+            logp, token_kl, _ = self._sampled_logprobs(micro, reference=reference)
             parts.append(reward_kl(self.config.objective, logp, ref_logp[start:start + size],
                                    micro.completion_mask, token_kl))
         return torch.cat(parts)
