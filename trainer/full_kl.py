@@ -4,7 +4,8 @@ At every response position t, KL_t = sum_v pi(v|y_<t) (log pi(v|y_<t) - log pi_r
 the policy's and the reference's last hidden states and output layers (the `full` estimator of
 trainer.estimators). As in `trainer.chunked_logprobs`, the logits of at most `chunk` positions exist
 at a time, for both models: the forward pass keeps one number per position, and the backward pass
-recomputes each chunk's two log-softmaxes from the saved hidden states. With z the policy's tempered
+recomputes each chunk's two log-softmaxes from the saved hidden states, working in place: at most
+three [chunk, V] buffers exist at a time. With z the policy's tempered
 logits, p = softmax(z), q the reference's, and l = log p - log q:
 
     d KL_t / d z = p * (l - KL_t) / temperature,    d KL_t / d z_ref = (q - p) / temperature.
@@ -44,7 +45,8 @@ class _ChunkedTokenKL(torch.autograd.Function):
         kl = torch.empty(hidden.shape[0], dtype=compute_dtype(hidden), device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             logp, ref = _log_softmaxes(start, start + chunk, policy, reference, temperature)
-            kl[start:start + chunk] = (logp.exp() * (logp - ref)).sum(-1)
+            log_ratio = ref.neg_().add_(logp)  # in place: two [chunk, V] buffers at a time
+            kl[start:start + chunk] = logp.exp_().mul_(log_ratio).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl)
         ctx.chunk, ctx.temperature = chunk, temperature
         return kl
@@ -60,12 +62,14 @@ class _ChunkedTokenKL(torch.autograd.Function):
             logp, ref = _log_softmaxes(start, end, policy, reference, ctx.temperature)
             g = grad_kl[start:end].to(kl.dtype)[:, None] / ctx.temperature
             probs = logp.exp()
-            if any(needs[:3]):
-                grad_logits = probs * (logp - ref - kl[start:end, None]) * g
-                _accumulate(grads[:3], needs[:3], grad_logits, policy, start, end)
-            if any(needs[3:6]):
-                grad_ref_logits = (ref.exp() - probs) * g
+            if any(needs[3:6]):  # first: the policy's term below overwrites logp and ref in place
+                grad_ref_logits = ref.exp().sub_(probs).mul_(g)
                 _accumulate(grads[3:6], needs[3:6], grad_ref_logits, reference, start, end)
+                del grad_ref_logits
+            if any(needs[:3]):
+                grad_logits = logp.sub_(ref).sub_(kl[start:end, None]).mul_(probs).mul_(g)
+                del ref, probs
+                _accumulate(grads[:3], needs[:3], grad_logits, policy, start, end)
         out = [None if grad is None else grad.to(tensor.dtype)
                for grad, tensor in zip(grads, policy + reference, strict=True)]
         return (*out, None, None)
