@@ -343,3 +343,26 @@ def test_a_new_estimator_is_one_registration_that_the_config_the_trainer_and_the
     rows = [r for r in result.rows if r.estimator == "k1x2" and r.sampling == "on-policy" and r.theory]
     assert len(rows) == 3 and all(r.agrees for r in rows), [(r.placement, r.verdict) for r in rows]
     assert config.needs_full_kl is False
+
+
+def test_full_kl_terms_take_the_ratio_of_their_prefix_alone_exact_and_less_noisy(monkeypatch):
+    """KL_t depends on y_<t only, so its off-policy weight stops at t - 1 (a weight through y_t would be
+    exact as well, with one more token ratio's noise): the registration's token_dependent=False."""
+    inst = AuditInstance.random(3, 2, seed=0)
+    targets = target_gradients(inst)
+    config = replace(BASE, estimator="full", placement="reward+loss", kl_loss_ratio="sequence", **SEQUENCE)
+    base = replace(BASE, **SEQUENCE)
+
+    def kl_part_and_variance():
+        grads, weights = group_gradients(inst, config, 2, off_policy=True)
+        base_grads, _ = group_gradients(inst, base, 2, off_policy=True)
+        return (expectation(grads, weights) - expectation(base_grads, weights)) / BETA, \
+            variance((grads - base_grads) / BETA, weights)
+
+    before_t, variance_before_t = kl_part_and_variance()
+    specs = dict(estimators.REGISTRY._specs)
+    specs["full"] = replace(specs["full"], token_dependent=True)
+    monkeypatch.setattr(estimators.REGISTRY, "_specs", specs)
+    through_t, variance_through_t = kl_part_and_variance()
+    assert rel_error(before_t, targets["unbiased"]) < 1e-10 and rel_error(through_t, targets["unbiased"]) < 1e-10
+    assert variance_before_t < 0.95 * variance_through_t

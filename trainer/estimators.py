@@ -34,6 +34,7 @@ class Estimator:
     inputs: str = SAMPLED
     formula: Callable[[Any, float], Any] | None = None  # (l, k3's exponent bound) -> estimate, SAMPLED only
     clamps: bool = False                                 # the formula bounds an exponent (trainer.kl)
+    token_dependent: bool = True  # the term at t depends on y_t itself (off-policy weights run through it)
     theory: dict[tuple[str, str], str] = field(default_factory=dict)
     color: str = "tab:gray"
     marker: str = "X"
@@ -61,7 +62,7 @@ REGISTRY.register(Estimator(
             ("reward+loss", "none"): "unbiased", ("loss", "differentiable"): "per-prefix reverse"},
     color="tab:green", marker="^"))
 REGISTRY.register(Estimator(
-    "full", "sum_v pi(v) log(pi(v) / pi_ref(v))", inputs=FULL,
+    "full", "sum_v pi(v) log(pi(v) / pi_ref(v))", inputs=FULL, token_dependent=False,
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
             ("reward+loss", "none"): "unbiased", ("loss", "differentiable"): "per-prefix reverse",
             ("reward+loss", "differentiable"): "unbiased"},

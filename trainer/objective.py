@@ -233,15 +233,20 @@ def _uses_sequence_ratios(config: ObjectiveConfig) -> bool:
 
 
 def _sequence_ratios(logp: Tensor, old: Tensor, maskf: Tensor, config: ObjectiveConfig) -> tuple[Tensor, Tensor]:
-    """Detached importance weights of whole responses, w = pi(y) / mu(y) [B], and of their prefixes,
-    w_t = prod_{u<=t} pi_u / mu_u [B, T] (1 on-policy, where old is logp itself), each truncated at
-    sequence_ratio_cap when set. Not clamped otherwise: a weight that overflows makes the update
-    non-finite, and the loop skips it and counts it."""
-    prefix_log = torch.cumsum((logp.detach() - old) * maskf, dim=-1)
+    """Detached importance weights of whole responses, w = pi(y) / mu(y) [B], and of the prefixes each
+    KL-loss token's term depends on [B, T] (1 on-policy, where old is logp itself), each truncated at
+    sequence_ratio_cap when set: w_t = prod_{u<=t} pi_u / mu_u for a term of the sampled token, and
+    prod_{u<t} for one of the prefix alone (`full`'s KL_t: a weight through y_t would be exact too, and
+    noisier). Not clamped otherwise: a weight that overflows makes the update non-finite, and the loop
+    skips it and counts it."""
+    token_log = (logp.detach() - old) * maskf
+    through = torch.cumsum(token_log, dim=-1)
+    prefix_log = through if estimators.REGISTRY[config.estimator].token_dependent else through - token_log
+    sequence_log = through[:, -1]
     if config.sequence_ratio_cap is not None:
-        prefix_log = prefix_log.clamp(max=math.log(config.sequence_ratio_cap))
-    prefix = prefix_log.exp()
-    return prefix[:, -1], prefix
+        cap = math.log(config.sequence_ratio_cap)
+        prefix_log, sequence_log = prefix_log.clamp(max=cap), sequence_log.clamp(max=cap)
+    return sequence_log.exp(), prefix_log.exp()
 
 
 def _policy_gradient_term(log_ratio: Tensor, adv_t: Tensor, config: ObjectiveConfig
