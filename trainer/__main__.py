@@ -9,6 +9,8 @@ import logging
 import sys
 from pathlib import Path
 
+from trainer.choices import ADVANTAGES
+
 log = logging.getLogger("trainer")
 
 
@@ -36,7 +38,7 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--group-size", type=int, default=2, help="samples per group (default 2)")
     g.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="random instances (default 0 1 2)")
     g.add_argument("--beta", type=float, default=0.1, help="KL coefficient (default 0.1)")
-    g.add_argument("--advantage", default="rloo", help="rloo|grpo|drgrpo|reinforce (default rloo)")
+    g.add_argument("--advantage", default="rloo", help=f"{'|'.join(ADVANTAGES)} (default rloo)")
     g.add_argument("--tol", type=float, default=1e-6, help="relative tolerance of a verdict (default 1e-6)")
     g.add_argument("--clip-ratio-c", type=float, default=None,
                    help="audit under the dual clip with this bound (objective.clip_ratio_c; default off)")
