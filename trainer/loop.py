@@ -23,7 +23,7 @@ import random
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,9 @@ class PendingBatch:
                       them (computed right after generation); rollouts.logprobs are the engine's
     trainer_token_kl  the exact KL(pi || pi_ref) over the vocabulary at each sampled position, under
                       the policy that sampled (only where estimator full shapes the reward)
+    reference         the reference's log-probs and completion states of the batch, from the pass that
+                      trainer_token_kl needed: the step reuses them (kept in memory only; a resumed
+                      run computes them again)
     """
 
     policy_step: int
@@ -83,6 +86,7 @@ class PendingBatch:
     rewards: list[float]
     trainer_logprobs: list[list[float]]
     trainer_token_kl: list[list[float]] | None = None
+    reference: tuple[torch.Tensor, HeadInputs] | None = field(default=None, repr=False)
 
     def to_state(self) -> dict[str, Any]:
         return {"policy_step": self.policy_step, "rollouts": self.rollouts.to_state(), "rewards": self.rewards,
@@ -362,9 +366,9 @@ class Run:
         objective = self.config.objective
         reference = None
         if objective.needs_full_kl and objective.kl_in_reward:  # the sampler's exact KL, for the reward
-            reference = self._reference(packed, full=True)[1]
+            reference = self._reference(packed, full=True)
         with torch.no_grad():  # the policy that just sampled, as the trainer computes it
-            logp, token_kl, _ = self._sampled_logprobs(packed, reference=reference)
+            logp, token_kl, _ = self._sampled_logprobs(packed, reference=None if reference is None else reference[1])
 
         def ragged(values: torch.Tensor) -> list[list[float]]:
             return [row[: len(tokens)].tolist() for row, tokens in zip(values.cpu(), rollouts.token_ids, strict=True)]
@@ -374,7 +378,8 @@ class Run:
             rewards = self.task.reward(rollouts.texts, expanded, self.verifier)
         except VerifierUnavailable as error:
             raise TrainingError(str(error)) from None
-        return PendingBatch(self.step, rollouts, rewards, ragged(logp), None if token_kl is None else ragged(token_kl))
+        return PendingBatch(self.step, rollouts, rewards, ragged(logp), None if token_kl is None else ragged(token_kl),
+                            reference)
 
     def _precision(self):
         if self.autocast_dtype is None:
@@ -463,7 +468,7 @@ class Run:
         t_gen = time.perf_counter()
         batch = pack(entry.rollouts, self.tokenizer.pad_token_id).to(self.device)
         rewards = torch.tensor(entry.rewards, dtype=torch.float32, device=self.device)
-        ref_logp, ref_states = self._reference(batch, full=c.objective.needs_full_kl)
+        ref_logp, ref_states = entry.reference or self._reference(batch, full=c.objective.needs_full_kl)
         engine_logp = batch.behaviour_logp
         trainer_logp = token_matrix(entry.trainer_logprobs, engine_logp.shape[1]).to(self.device)
         mismatch = mismatch_sums(engine_logp, trainer_logp, batch.completion_mask)
