@@ -1,8 +1,12 @@
-"""Shared fixtures: a toy model and a warmed-up toy model, built once per test session."""
+"""Shared fixtures: a toy model and a warmed-up toy model, built once per test session; a pair of
+float64 models a little apart."""
+
+import copy
 
 import pytest
+import torch
 
-from trainer.models import ToyModelSpec, build_toy_model
+from trainer.models import ToyModelSpec, build_toy_model, load_model
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +31,16 @@ def warm_model(toy_model, tmp_path_factory):
                  eval_problems=64)
     assert report["sampled_reward"] > 0.2, report  # RL starts with a reward clearly above zero
     return out
+
+
+@pytest.fixture
+def model_and_perturbed_copy(toy_model):
+    """The toy model in float64 and a copy of it whose every weight moved by 0.05 x N(0, 1) (seed 0):
+    two models whose next-token distributions differ everywhere, for exact KL checks."""
+    torch.manual_seed(0)
+    model = load_model(str(toy_model)).double()
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in moved.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return model, moved

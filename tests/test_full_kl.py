@@ -1,7 +1,6 @@
 """Estimator full: the exact next-token KL, chunked, equals the naive [N, V] computation in values and
 gradients, on raw hidden states and on a model; and its errors name their cause."""
 
-import copy
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from trainer import config as run_config
 from trainer import kl
 from trainer.full_kl import HeadInputs, token_kl, token_kl_naive
 from trainer.logprobs import CompletionLogprobs, pack
-from trainer.models import load_model
 from trainer.objective import ObjectiveConfig, compute_loss
 from trainer.rollout.base import Rollouts
 
@@ -55,15 +53,10 @@ def test_shape_errors_name_their_cause():
         token_kl(_head(4, 3, 5, False, gen), _head(3, 3, 5, False, gen))
 
 
-def test_a_model_gives_the_kl_of_its_whole_next_token_distributions(toy_model):
+def test_a_model_gives_the_kl_of_its_whole_next_token_distributions(model_and_perturbed_copy):
     """CompletionLogprobs.with_token_kl against the whole-vocabulary log-probs of both models, float64,
     with the same log-probs and gradients as its forward pass; padding stays 0."""
-    torch.manual_seed(0)
-    policy_lm = load_model(str(toy_model)).double()
-    reference_lm = copy.deepcopy(policy_lm)
-    with torch.no_grad():
-        for p in policy_lm.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    reference_lm, policy_lm = model_and_perturbed_copy
     tokens = [[10, 11, 12, 13], [14], [15, 16], [17, 18, 19]]
     rollouts = Rollouts(prompt_ids=[[5, 6, 7], [8, 9]], n=2, token_ids=tokens,
                         logprobs=[[0.0] * len(t) for t in tokens], texts=[""] * 4, finish_reasons=["length"] * 4)

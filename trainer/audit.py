@@ -67,7 +67,7 @@ def _group_losses(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
     sampler_token_logp = space.token_logp(sampler_logits)
     weights = sampler_token_logp.sum(-1)[groups].sum(-1).exp()
     mask = torch.ones(group_size, space.length, dtype=torch.float64)
-    full = estimators.REGISTRY[config.estimator].inputs == estimators.FULL
+    full = config.needs_full_kl
     token_kl = space.token_kl(theta, inst.ref_logits) if full else None
     sampler_token_kl = space.token_kl(sampler_logits, inst.ref_logits) if full else None
     losses = []

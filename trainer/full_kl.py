@@ -86,7 +86,7 @@ def _accumulate(grads: list, needs: tuple, grad_logits: Tensor, inputs: tuple, s
         grads[0][start:end] = grad_logits.to(weight.dtype) @ weight
     if needs[1]:
         grads[1].addmm_(grad_logits.T, hidden[start:end].to(grad_logits.dtype))
-    if needs[2] and grads[2] is not None:
+    if needs[2]:  # (never for an absent bias: autograd needs no gradient of None)
         grads[2] += grad_logits.sum(0)
 
 

@@ -75,7 +75,7 @@ def _check_inputs(logp: Tensor, per_response: dict[str, Tensor], group_size: int
 def _token_estimate(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None) -> Tensor:
     """The per-token KL term [B, T] of config.estimator: from the sampled tokens' log-probs, or the
     exact full-vocabulary KL (`token_kl`, computed by trainer.full_kl) for an estimator that needs it."""
-    if estimators.REGISTRY[config.estimator].inputs == estimators.FULL:
+    if config.needs_full_kl:
         if token_kl is None:
             raise ValueError(f"estimator {config.estimator}: compute_loss needs token_kl, the exact per-token KL "
                              "over the vocabulary (trainer.full_kl)")
@@ -286,7 +286,7 @@ def _stats(logp: Tensor, ref_logp: Tensor, ratio: Tensor, clipped: Tensor, maskf
     tokens = maskf.bool()
     ratio_tokens = ratio.detach()[tokens] if tokens.any() else ratio.new_ones(1)
     clamped_tokens = torch.zeros((), dtype=maskf.dtype, device=maskf.device)
-    if config.placement != "none" and config.estimator in kl.SAMPLED_ESTIMATORS:
+    if config.placement != "none" and not config.needs_full_kl:
         clamped_tokens = (kl.clamped(config.estimator, logp, ref_logp) & tokens).sum().to(maskf.dtype)
     values = {
         **{name: per_row.mean() for name, per_row in sequence_kls.items()},
