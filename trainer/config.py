@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from trainer.choices import ENGINES, LR_SCHEDULES, MIXED_PRECISIONS, TASK_NAMES
+from trainer.choices import ENGINES, HF_DECODINGS, LR_SCHEDULES, MIXED_PRECISIONS, TASK_NAMES
 from trainer.objective_config import ObjectiveConfig
 
 
@@ -47,6 +47,7 @@ class RolloutConfig:
     max_new_tokens: int = 16
     stop: tuple[str, ...] = ()
     recompute_logprobs: bool = False  # behaviour log-probs from the trainer instead of the engine
+    hf_decoding: str = "auto"       # hf only: auto (compiled on CUDA) | eager | compiled (trainer.rollout.decoding)
     # vllm only (trainer.rollout.vllm): a colocated engine per training process
     vllm_gpu_memory_utilization: float = 0.3  # share of each GPU for vLLM's weights and KV cache
     vllm_tensor_parallel_size: int = 1        # GPUs (training processes) one engine spans
@@ -209,6 +210,8 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"task.name: {config.task.name!r} is not one of {', '.join(TASK_NAMES)}")
     if r.engine not in ENGINES:
         raise ConfigError(f"rollout.engine: {r.engine!r} is not one of {', '.join(ENGINES)}")
+    if r.hf_decoding not in HF_DECODINGS:
+        raise ConfigError(f"rollout.hf_decoding: {r.hf_decoding!r} is not one of {', '.join(HF_DECODINGS)}")
     if t.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"train.lr_schedule: {t.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
     positive = {"train.steps": t.steps, "train.prompts_per_step": t.prompts_per_step,
