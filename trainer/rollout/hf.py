@@ -66,12 +66,10 @@ class HFEngine:
             self.model.get_parameter(name).copy_(tensor)
         self.stale = False
 
-    @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: Sequence[int]) -> Rollouts:
         check_seeds(prompt_ids, seeds)
         if self.stale:
-            with torch.inference_mode(False):
-                self._refresh()
+            self._refresh()
         device = sampling_device(self.model)
         if device != self.decoder.device:  # the model moved since the last generation
             self.decoder = Decoder(self.model, device, self.decoding)
@@ -86,12 +84,14 @@ class HFEngine:
         input_ids, mask = input_ids.to(device), mask.to(device)
         was_training = model.training
         model.eval()
+        # compiled decoding runs under no_grad, as transformers' generate compiles it; eager in inference mode
         try:
-            try:
-                tokens, logprobs, alive, stopped = self._decode(input_ids, mask, params, seeds)
-            except CompiledDecodingFailed as error:  # started over, eagerly, with fresh generators
-                self.decoder.disable(error)
-                tokens, logprobs, alive, stopped = self._decode(input_ids, mask, params, seeds)
+            with torch.no_grad() if self.decoder.compiled else torch.inference_mode():
+                try:
+                    tokens, logprobs, alive, stopped = self._decode(input_ids, mask, params, seeds)
+                except CompiledDecodingFailed as error:  # started over, eagerly, with fresh generators
+                    self.decoder.disable(error)
+                    tokens, logprobs, alive, stopped = self._decode(input_ids, mask, params, seeds)
         finally:
             model.train(was_training)
         lengths = alive.sum(-1).tolist()
