@@ -118,6 +118,29 @@ def test_a_decoding_step_reads_one_small_thing_back_and_never_the_vocabulary(toy
     assert all(len(step) == 1 for step in between), between
 
 
+class _Concatenations(TorchFunctionMode):
+    """The shapes of the 4-D tensors that torch.cat joined along their third dimension (key and value
+    states are [B, heads, T, d])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        dim = (kwargs or {}).get("dim", args[1] if len(args) > 1 else 0)
+        if func is torch.cat and dim in (2, -2):
+            self.shapes += [tuple(t.shape) for t in args[0] if t.dim() == 4]
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_kv_cache_is_written_in_place_not_copied_at_every_token(toy):
+    model, tokenizer, prompts = toy
+    engine = HFEngine(model, tokenizer)
+    with _Concatenations() as concatenations:
+        engine.generate(prompts, SamplingParams(n=2, max_new_tokens=12), [1, 2, 3])
+    assert concatenations.shapes == []
+
+
 def test_a_model_on_more_than_one_device_is_refused(toy_model):
     model, tokenizer = load_model(str(toy_model)), load_tokenizer(str(toy_model))
     model.model.norm.to("meta")
