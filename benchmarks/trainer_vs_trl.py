@@ -76,7 +76,10 @@ def run_klstudy(args: argparse.Namespace, model: Path) -> dict:
         synchronize(args.device)
         steps.append({"time": time.perf_counter() - start, "tokens": m["generated_tokens"] + m["trained_tokens"]})
     run.verifier.close()
-    return {"steps": steps}
+    from trainer.rollout.decoding import compile_failure
+
+    failed = f" (compiling failed: {compile_failure()})" if compile_failure() else ""
+    return {"steps": steps, "decoding": "compiled" if run.engine.decoder.compiled else f"eager{failed}"}
 
 
 def run_trl(args: argparse.Namespace, model: Path) -> dict:
@@ -183,20 +186,22 @@ def run_child(side: str, args: argparse.Namespace, model: Path) -> tuple[dict, f
     command = [sys.executable, __file__, "--child", side, "--model", str(model), "--result", str(result_file),
                "--device", args.device, "--steps", str(args.steps), "--prompts", str(args.prompts),
                "--group", str(args.group), "--length", str(args.length)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(process.pid, 0)
+    log_file = result_file.with_name("stderr.txt")
+    with log_file.open("w") as log:  # a file, not a pipe: a chatty child cannot fill it and stall
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+        _, status, usage = os.wait4(process.pid, 0)
     if status != 0:
-        raise SystemExit(f"{side} run failed:\n{process.stderr.read()[-5000:]}")
+        raise SystemExit(f"{side} run failed:\n{log_file.read_text()[-5000:]}")
     return json.loads(result_file.read_text()), usage.ru_maxrss / 1024
 
 
-def measure(side: str, args: argparse.Namespace, model: Path) -> tuple[float, float, float]:
+def measure(side: str, args: argparse.Namespace, model: Path) -> tuple[float, float, float, str]:
     """(throughput in tokens/s over the steps after the first, peak memory in MiB: resident on a CPU,
-    GPU memory allocated on CUDA, the first step's seconds) of one child run."""
+    GPU memory allocated on CUDA, the first step's seconds, how klstudy's engine decoded) of one run."""
     result, rss = run_child(side, args, model)
     first, *steps = result["steps"]  # the first step warms up
     throughput = sum(s["tokens"] for s in steps) / sum(s["time"] for s in steps)
-    return throughput, result.get("gpu_peak_mib", rss), first["time"]
+    return throughput, result.get("gpu_peak_mib", rss), first["time"], result.get("decoding", "")
 
 
 def main() -> None:
@@ -227,15 +232,15 @@ def main() -> None:
             return
     model = build_model(root / "model", args.device)
     unit = "GPU MiB" if args.device == "cuda" else "MiB RSS"
-    runs: dict[str, list[tuple[float, float, float]]] = {"klstudy": [], "trl": []}
+    runs: dict[str, list[tuple[float, float, float, str]]] = {"klstudy": [], "trl": []}
     for round_ in range(args.rounds):
         for side in ("klstudy", "trl"):
             runs[side].append(measure(side, args, model))
-            rate, peak, first = runs[side][-1]
+            rate, peak, first, decoding = runs[side][-1]
             print(f"round {round_ + 1} {side:8s} {rate:9.1f} tokens/s  peak {peak:8.1f} {unit}  "
-                  f"first step {first:.1f} s", flush=True)
-    throughput = {side: statistics.median(t for t, _, _ in r) for side, r in runs.items()}
-    memory = {side: statistics.median(m for _, m, _ in r) for side, r in runs.items()}
+                  f"first step {first:.1f} s  {decoding}", flush=True)
+    throughput = {side: statistics.median(r[0] for r in rs) for side, rs in runs.items()}
+    memory = {side: statistics.median(r[1] for r in rs) for side, rs in runs.items()}
     print(f"batch {args.prompts} prompts x {args.group}, up to {args.length} new tokens, {args.steps} steps, "
           f"{dtype(args.device)} on {args.device}, {os.cpu_count()} CPUs")
     for side in runs:

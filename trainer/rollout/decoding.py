@@ -32,6 +32,11 @@ class CompiledDecodingFailed(RuntimeError):
     """The compiled forward could not be compiled or run; the caller decodes eagerly instead."""
 
 
+def compile_failure() -> str | None:
+    """Why compiling failed in this process (then every engine decodes eagerly), or None."""
+    return _failures[0] if _failures else None
+
+
 def _full_attention_layer():
     """transformers' growing cache layer, or None where this transformers has none (before 4.54)."""
     try:
