@@ -73,7 +73,9 @@ class PendingBatch:
     """Rollouts and their rewards, generated ahead of the step that trains on them when async_level > 0.
 
     trainer_logprobs  the trainer's log-probs of the sampled tokens under the policy that sampled
-                      them (computed right after generation); rollouts.logprobs are the engine's
+                      them (computed right after generation; None where the step's update computes
+                      them in its first pass, `Run._update_makes_trainer_logprobs`); rollouts.logprobs
+                      are the engine's
     trainer_token_kl  the exact KL(pi || pi_ref) over the vocabulary at each sampled position, under
                       the policy that sampled (only where estimator full shapes the reward)
     reference         the reference's log-probs and completion states of the batch, from the pass that
@@ -84,7 +86,7 @@ class PendingBatch:
     policy_step: int
     rollouts: Rollouts
     rewards: list[float]
-    trainer_logprobs: list[list[float]]
+    trainer_logprobs: list[list[float]] | None
     trainer_token_kl: list[list[float]] | None = None
     reference: tuple[torch.Tensor, HeadInputs] | None = field(default=None, repr=False)
 
@@ -367,8 +369,11 @@ class Run:
         reference = None
         if objective.needs_full_kl and objective.kl_in_reward:  # the sampler's exact KL, for the reward
             reference = self._reference(packed, full=True)
-        with torch.no_grad():  # the policy that just sampled, as the trainer computes it
-            logp, token_kl, _ = self._sampled_logprobs(packed, reference=None if reference is None else reference[1])
+        logp = token_kl = None
+        if not self._update_makes_trainer_logprobs():  # the policy that just sampled, as the trainer computes it
+            with torch.no_grad():
+                states = None if reference is None else reference[1]
+                logp, token_kl, _ = self._sampled_logprobs(packed, reference=states)
 
         def ragged(values: torch.Tensor) -> list[list[float]]:
             return [row[: len(tokens)].tolist() for row, tokens in zip(values.cpu(), rollouts.token_ids, strict=True)]
@@ -378,8 +383,18 @@ class Run:
             rewards = self.task.reward(rollouts.texts, expanded, self.verifier)
         except VerifierUnavailable as error:
             raise TrainingError(str(error)) from None
-        return PendingBatch(self.step, rollouts, rewards, ragged(logp), None if token_kl is None else ragged(token_kl),
-                            reference)
+        return PendingBatch(self.step, rollouts, rewards, None if logp is None else ragged(logp),
+                            None if token_kl is None else ragged(token_kl), reference)
+
+    def _update_makes_trainer_logprobs(self) -> bool:
+        """Whether the step's one update computes the trainer's log-probs of the samples in its first forward
+        pass, over the whole batch, before the weights change (on-policy, one update, one micro-batch), and no
+        KL in the reward needs them before it: then that pass stands in for one of their own after generation
+        (the same computation on the same weights: the same numbers)."""
+        t = self.config.train
+        rows = t.prompts_per_step // self.world.size * t.group_size
+        return (t.async_level == 0 and t.minibatches == 1 and t.epochs == 1 and t.micro_batch_size in (0, rows)
+                and not self.config.objective.kl_in_reward)
 
     def _precision(self):
         if self.autocast_dtype is None:
@@ -414,10 +429,11 @@ class Run:
 
     def _update(self, batch: PackedBatch, adv: Advantages, ref_logp: torch.Tensor,
                 old_logp: torch.Tensor | None, engine_logp: torch.Tensor | None,
-                with_entropy: bool, ref_states: HeadInputs | None = None) -> dict[str, float]:
+                with_entropy: bool, ref_states: HeadInputs | None = None,
+                logp_out: list[torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer update on this process's part of a minibatch (whole groups, whose advantages
         `adv` were computed over the whole minibatch), a micro-batch at a time; skipped everywhere if
-        any process's loss or gradient is non-finite."""
+        any process's loss or gradient is non-finite. `logp_out` gets each micro-batch's log-probs."""
         c, world = self.config, self.world
         rows = batch.completion_ids.shape[0]
         totals = (rows * world.size, max(1.0, world.sum(float(batch.completion_mask.sum()))))
@@ -432,6 +448,8 @@ class Run:
             micro = batch.rows(part)
             reference = None if ref_states is None else states_of_rows(ref_states, batch, part)
             logp, token_kl, entropy = self._sampled_logprobs(micro, with_entropy, reference)
+            if logp_out is not None:
+                logp_out.append(logp.detach())
             loss, stats = policy_loss(logp, ref_logp[part], None if old_logp is None else old_logp[part],
                                       adv.values[part], micro.completion_mask, c.objective, totals,
                                       None if engine_logp is None else engine_logp[part], token_kl)
@@ -470,8 +488,9 @@ class Run:
         rewards = torch.tensor(entry.rewards, dtype=torch.float32, device=self.device)
         ref_logp, ref_states = entry.reference or self._reference(batch, full=c.objective.needs_full_kl)
         engine_logp = batch.behaviour_logp
-        trainer_logp = token_matrix(entry.trainer_logprobs, engine_logp.shape[1]).to(self.device)
-        mismatch = mismatch_sums(engine_logp, trainer_logp, batch.completion_mask)
+        made = None if entry.trainer_logprobs is not None else []  # by the update's first pass
+        trainer_logp = None if made is not None else token_matrix(entry.trainer_logprobs, engine_logp.shape[1])
+        trainer_logp = None if trainer_logp is None else trainer_logp.to(self.device)
         # the behaviour policy as the trainer sees it: its own log-probs where it recomputes them or
         # corrects the engine with TIS (which then weights by trainer / engine), else the engine's
         tis = c.objective.tis_cap is not None
@@ -497,7 +516,9 @@ class Run:
                 adv = self._minibatch_advantages(rewards[part], sequence_kl)
                 old = None if old_logp is None else old_logp[part]
                 updates.append(self._update(minibatch, adv, ref_logp[part], old, engine_logp[part] if tis else None,
-                                            epoch == 0, states))
+                                            epoch == 0, states, made))
+        trainer_logp = torch.cat(made) if made is not None else trainer_logp
+        mismatch = mismatch_sums(engine_logp, trainer_logp, batch.completion_mask)
         self.engine.sync_weights()
         t_end = time.perf_counter()
         metrics = self._metrics(entry, batch, updates, mismatch, t0, t_gen, t_end)

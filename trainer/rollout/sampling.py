@@ -16,7 +16,8 @@ import torch
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """Log-probabilities of the distribution sampled from: logits / temperature, then nucleus."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature  # x / 1 is x: one pass less
+    logp = torch.log_softmax(logits, dim=-1)
     if top_p >= 1.0:
         return logp
     sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
