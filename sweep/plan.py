@@ -92,7 +92,8 @@ def plan(study: Study, argv: list[str], environ: Mapping[str, str]) -> list[str]
     lines = [f"klstudy plan: study {study.name}, {len(study.runs)} runs, results in {study.results}/",
              "  SLURM (profiles/slurm): " + "; ".join(
                  [*said, *([f"no {', '.join(unset)}: the cluster's defaults"] if unset else [])]),
-             "  what each job gets (cpus are Snakemake's threads; on SLURM, the sbatch options):"]
+             "  the study's jobs and what each gets (cpus are Snakemake's threads; on SLURM, the sbatch options;"
+             " Snakemake's list says which jobs still run):"]
     for what, jobs, resources in job_groups(study):
         shown = ", ".join(f"{key} {value}" for key, value in resources.items())
         lines += [f"    {what}: {jobs} job{'s' * (jobs != 1)}", f"      resources {shown}",

@@ -8,12 +8,14 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from test_workflow import planned_jobs, snakemake_jobs
 
 from sweep.config_schema import schema_problem
 from sweep.grid import StudyError, load_study
@@ -112,9 +114,12 @@ def test_the_dry_run_shows_each_jobs_sbatch_options_and_where_each_run_starts(tm
     (killed / "step_40").mkdir()  # cut off while it was written: no manifest
     (runs / "toy-sft__none__s0").mkdir()
     (runs / "toy-sft__none__s0" / COMPLETE).write_text("{}\n")
-    result = dry_run(tmp_path, toy(), "--quiet",
+    result = dry_run(tmp_path, toy(), "--quiet", "rules",
                      env={"SNAKEMAKE_SUBMITIT_PARTITION": "gpu", "SNAKEMAKE_SUBMITIT_ACCOUNT": "lab"})
     assert result.returncode == 0, result.stderr[-2000:]
+    counts = {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", result.stdout, re.M)}
+    assert planned_jobs(result.stdout) == snakemake_jobs(counts) == {"prepare": 3, "train": 6, "evaluate": 3,
+                                                                     "track": 1, "report": 1}  # bundles of 10 and 20
     plan = result.stdout[:result.stdout.index("  runs:") + 200]
     assert "partition gpu (from SNAKEMAKE_SUBMITIT_PARTITION); account lab (from SNAKEMAKE_SUBMITIT_ACCOUNT)" in plan
     assert ("    train, toy-sft: 6 jobs\n      resources cpus 1, mem_mb 2000, runtime 30, gpus 0\n"
