@@ -30,7 +30,7 @@ def schema_problem(config: dict[str, Any], schema_file: Path) -> str | None:
     return None if error is None else _message(error)
 
 
-def key_of(path) -> str:
+def _key(path) -> str:
     """['grid', 'include', 0, 'seed'] -> grid.include[0].seed."""
     key = ""
     for part in path:
@@ -39,7 +39,7 @@ def key_of(path) -> str:
 
 
 def _message(error) -> str:
-    key, schema, value = key_of(error.absolute_path), error.schema, error.instance
+    key, schema, value = _key(error.absolute_path), error.schema, error.instance
     where = f"{key}." if key else ""
     if error.validator == "additionalProperties":
         unknown = sorted(name for name in value if name not in schema.get("properties", {}) and not any(

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from snakemake_executor_plugin_submitit.resources import slurm_parameters
 from sweep.grid import Study
+from trainer.config import TrainConfig
 from trainer.run_files import COMPLETE
 
 SETTINGS = ("partition", "account", "qos")  # the executor's defaults for every job
@@ -60,8 +61,9 @@ def job_groups(study: Study) -> list[tuple[str, int, dict[str, Any]]]:
                 each = [(run, step) for run in runs for step in [*study.eval_steps(run), None]]
                 jobs = len(study.evaluate["suites"]) * len(study.bundles("evaluate", each, model_of=lambda e: e[0]))
             resources = study.resources_for(rule, model)
-            names, count, _ = alike.get(repr(sorted(resources.items())), ([], 0, resources))
-            alike[repr(sorted(resources.items()))] = ([*names, model], count + jobs, resources)
+            same = repr(sorted(resources.items()))
+            names, count, _ = alike.get(same, ([], 0, resources))
+            alike[same] = ([*names, model], count + jobs, resources)
         groups += [(f"{rule}, {', '.join(names)}", count, resources) for names, count, resources in alike.values()
                    if count]
     return groups + [(rule, 1, study.resources_for(rule)) for rule in ("track", "report")]
@@ -102,8 +104,6 @@ def plan(study: Study, argv: list[str], environ: Mapping[str, str]) -> list[str]
     counts = {state: sum(1 for s, _ in states.values() if s == state) for state in ("fresh", "resumes", "finished")}
     lines.append(f"  runs: {counts['fresh']} start fresh, {counts['resumes']} resume from a checkpoint, "
                  f"{counts['finished']} finished")
-    from trainer.config import TrainConfig
-
     for run, (state, step) in states.items():
         if state == "resumes":
             lines.append(f"    {run} resumes from step {step} of "
