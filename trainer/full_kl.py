@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer.chunked_logprobs import DEFAULT_CHUNK, _logits, compute_dtype
+from trainer.chunked_logprobs import DEFAULT_CHUNK, Autocast, _logits, compute_dtype
 
 
 @dataclass
@@ -48,11 +48,16 @@ class _ChunkedTokenKL(torch.autograd.Function):
             log_ratio = ref.neg_().add_(logp)  # in place: two [chunk, V] buffers at a time
             kl[start:start + chunk] = logp.exp_().mul_(log_ratio).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl)
-        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.chunk, ctx.temperature, ctx.autocast = chunk, temperature, Autocast.of(hidden)
         return kl
 
     @staticmethod
     def backward(ctx, grad_kl: Tensor):
+        with ctx.autocast.region():  # the logits at the forward pass's precision (trainer.chunked_logprobs)
+            return _ChunkedTokenKL._backward(ctx, grad_kl)
+
+    @staticmethod
+    def _backward(ctx, grad_kl: Tensor):
         hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl = ctx.saved_tensors
         policy, reference = (hidden, weight, bias), (ref_hidden, ref_weight, ref_bias)
         needs = ctx.needs_input_grad
