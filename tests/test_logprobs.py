@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny_models import ragged_batch, tiny_lm
 
 from trainer.chunked_logprobs import token_logprobs
 from trainer.logprobs import completion_logprobs, pack
@@ -87,3 +88,23 @@ def test_bf16_gradient_of_confident_tokens_is_as_close_to_float32_as_the_naive_p
     naive, lean = (_relative_error(output_layer_gradient(chunk, bf16=True), exact) for chunk in (0, 128))
     assert 0 < naive < 0.1  # bf16 rounding, no more
     assert lean <= 1.1 * naive, (lean, naive)
+
+
+@pytest.mark.parametrize("config_class,extra", [
+    ("GraniteConfig", {"logits_scaling": 8.0}),        # logits / 8
+    ("HyperCLOVAXConfig", {"logits_scaling": 4.0}),    # logits x 4: the same key, the other way
+    ("CohereConfig", {"logit_scale": 0.25}),
+    ("Gemma2Config", {"final_logit_softcapping": 2.0}),  # not linear: the naive path
+])
+def test_models_that_scale_their_logits_get_the_log_probs_of_their_own_forward_pass(config_class, extra):
+    """The lean path's log-probs and gradients are the naive path's (the model's own logits), float64."""
+    model, batch = tiny_lm(config_class, **extra), ragged_batch()
+    results = []
+    for chunk in (0, 3):
+        model.zero_grad()
+        logp, _ = completion_logprobs(model, batch, temperature=0.9, chunk=chunk)
+        logp.sum().backward()
+        results.append((logp.detach(), model.lm_head.weight.grad.clone()))
+    (naive, naive_grad), (lean, lean_grad) = results
+    assert float((lean - naive).abs().max()) <= 1e-12 * float(naive.abs().max()), (lean - naive).abs().max()
+    torch.testing.assert_close(lean_grad, naive_grad, rtol=1e-10, atol=1e-12 * float(naive_grad.abs().max()))
