@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -355,3 +356,16 @@ def test_train_runs_trains_a_plan_in_one_process_as_single_runs_would(warm_model
                             capture_output=True, text=True, timeout=600)
     assert partly.returncode == 1 and "holds a run with a different config" in partly.stderr
     assert (tmp_path / "f" / COMPLETE).exists() and "1 of 2 runs failed" in partly.stderr
+
+
+def test_a_model_with_dropout_trains_without_it(warm_model, tmp_path):
+    """Llama with attention_dropout 0.1 (applied in train mode, inside the attention kernel): at step 0
+    the policy is its reference, and every pass of it gives the reference's log-probs exactly."""
+    model = tmp_path / "dropout-model"
+    shutil.copytree(warm_model, model)
+    config_file = model / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "attention_dropout": 0.1}))
+    run = Run(run_config.load(None, overrides(model, **{"objective.estimator": "k1"})), tmp_path / "run")
+    line = run.run_step()
+    run.verifier.close()
+    assert line["kl_k1"] == 0.0 and line["kl_k3"] == 0.0

@@ -9,9 +9,10 @@ SIZES = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_lay
 
 
 def tiny_lm(config_class: str, seed: int = 0, dtype: torch.dtype = torch.float64, **extra):
-    """A causal LM of `config_class` (a transformers config class name) with SIZES and `extra` keys."""
+    """A causal LM of `config_class` (a transformers config class name) with SIZES and `extra` keys (an
+    extra key set to None leaves that key to the config's default)."""
     torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**{**SIZES, **extra})
+    config = getattr(transformers, config_class)(**{k: v for k, v in {**SIZES, **extra}.items() if v is not None})
     return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
 
 

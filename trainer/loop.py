@@ -43,6 +43,7 @@ from trainer.distributed import (
     load_optimizer_state,
     shard,
 )
+from trainer.dropout import disable_dropout
 from trainer.full_kl import HeadInputs
 from trainer.logprobs import CompletionLogprobs, PackedBatch, pack, states_of_rows, token_matrix
 from trainer.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
@@ -215,6 +216,7 @@ class Run:
         c = config
         self.tokenizer = load_tokenizer(c.model.path)
         lm = load_model(c.model.path, c.model.dtype, world.device(c.model.device))
+        disable_dropout(lm)  # trained in train mode, without its noise (so are the copies below)
         reference = copy.deepcopy(lm).eval().requires_grad_(False)  # the initial weights, also on resume
         replica = copy.deepcopy(lm).eval() if world.sharded and c.rollout.engine == "hf" else None
         self.resumed = checkpoint.load_latest(self.checkpoints_dir, lm)  # before sharding: every process reads it
