@@ -131,6 +131,23 @@ def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_float32_grad
     assert line["skipped_updates"] == 0
 
 
+def test_under_bf16_mixed_precision_the_hf_engine_samples_as_the_trainer_computes(warm_model, tmp_path, monkeypatch):
+    """In bfloat16 under the trainer's autocast, not in float32: a float32 sampler is another policy than
+    the one trained (0.01 nats apart on the warm toy; 5e-7 under the same autocast)."""
+    from trainer.rollout.hf import HFEngine
+
+    precision, real = [], HFEngine.generate
+
+    def recording(self, *args, **kwargs):
+        precision.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HFEngine, "generate", recording)
+    _one_step(warm_model, tmp_path, "bf16", **{"train.mixed_precision": "bf16"})
+    _one_step(warm_model, tmp_path, "f32")
+    assert precision == [torch.bfloat16, torch.float32]
+
+
 @pytest.mark.slow
 def test_sigterm_stops_every_process_at_a_checkpoint_and_the_same_command_resumes(warm_model, tmp_path):
     """As a scheduler's preemption does it: SIGTERM to the launcher's whole process group."""

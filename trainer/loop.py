@@ -363,7 +363,8 @@ class Run:
         self.data_position += t.prompts_per_step
         indices, seeds = zip(*self.world.my_share(list(zip(indices, seeds, strict=True)), t.minibatches), strict=True)
         prompt_ids, problems = self._encode_prompts(list(indices))
-        rollouts = self.engine.generate(prompt_ids, self.params, list(seeds))
+        with self._sampling_precision():
+            rollouts = self.engine.generate(prompt_ids, self.params, list(seeds))
         packed = pack(rollouts, self.tokenizer.pad_token_id).to(self.device)
         objective = self.config.objective
         reference = None
@@ -387,6 +388,13 @@ class Run:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _sampling_precision(self):
+        """Under bf16 mixed precision the hf engine samples in bf16 too, as the trainer computes (vLLM is
+        given the dtype instead): float32 sampling made the sampler another policy than the trained one."""
+        if self.config.train.mixed_precision != "bf16" or self.config.rollout.engine != "hf":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def _logprobs(self, model: CompletionLogprobs, batch: PackedBatch, with_entropy: bool = False):
         with self._precision():
