@@ -149,7 +149,7 @@ def test_under_bf16_mixed_precision_the_hf_engine_samples_as_the_trainer_compute
 
 
 @pytest.mark.slow
-def test_sigterm_stops_every_process_at_a_checkpoint_and_the_same_command_resumes(warm_model, tmp_path):
+def test_sigterm_stops_every_process_at_a_checkpoint_and_the_same_command_resumes(warm_model, tmp_path, noise_floor):
     """As a scheduler's preemption does it: SIGTERM to the launcher's whole process group."""
     out = tmp_path / "two"
     extra = {"train.steps": 12, "checkpoint.every": 100}
