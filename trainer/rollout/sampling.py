@@ -15,8 +15,10 @@ import torch
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Log-probabilities of the distribution sampled from: logits / temperature, then nucleus."""
-    logits = logits.float() if temperature == 1.0 else logits.float() / temperature  # x / 1 is x: one pass less
+    """Log-probabilities of the distribution sampled from: logits / temperature, then nucleus (float32, or
+    float64 for float64 logits: the exact audit samples with it too)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = logits if temperature == 1.0 else logits / temperature  # x / 1 is x: one pass less
     logp = torch.log_softmax(logits, dim=-1)
     if top_p >= 1.0:
         return logp
