@@ -74,7 +74,8 @@ def run_klstudy(args: argparse.Namespace, model: Path) -> dict:
         start = time.perf_counter()
         m = run.run_step()
         synchronize(args.device)
-        steps.append({"time": time.perf_counter() - start, "tokens": m["generated_tokens"] + m["trained_tokens"]})
+        steps.append({"time": time.perf_counter() - start, "tokens": m["generated_tokens"] + m["trained_tokens"],
+                      "generation": m["gen_time"]})
     run.verifier.close()
     from trainer.rollout.decoding import compile_failure
 
@@ -197,11 +198,16 @@ def run_child(side: str, args: argparse.Namespace, model: Path) -> tuple[dict, f
 
 def measure(side: str, args: argparse.Namespace, model: Path) -> tuple[float, float, float, str]:
     """(throughput in tokens/s over the steps after the first, peak memory in MiB: resident on a CPU,
-    GPU memory allocated on CUDA, the first step's seconds, how klstudy's engine decoded) of one run."""
+    GPU memory allocated on CUDA, the first step's seconds, how klstudy's engine decoded and its share
+    of a step) of one run."""
     result, rss = run_child(side, args, model)
     first, *steps = result["steps"]  # the first step warms up
     throughput = sum(s["tokens"] for s in steps) / sum(s["time"] for s in steps)
-    return throughput, result.get("gpu_peak_mib", rss), first["time"], result.get("decoding", "")
+    decoding = result.get("decoding", "")
+    if steps and "generation" in steps[0]:
+        share = sum(s["generation"] for s in steps) / sum(s["time"] for s in steps)
+        decoding += f", generation {share:.0%} of a step"
+    return throughput, result.get("gpu_peak_mib", rss), first["time"], decoding
 
 
 def main() -> None:
