@@ -21,6 +21,7 @@ from trainer import estimators, placements, tabular
 from trainer.objective import ObjectiveConfig, compute_loss
 from trainer.placements import KL_PLACEMENTS
 from trainer.progress import progress_bar
+from trainer.tabular import one_thread
 
 
 def theory_on_policy(estimator: str, placement: str, ratio: str) -> str:
@@ -95,8 +96,9 @@ def expected_gradient(inst: AuditInstance, config: ObjectiveConfig, group_size: 
     Exact: every ordered group of `group_size` sequences is enumerated and weighted by its
     probability; sampling itself is not differentiated, as in training.
     """
-    theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch)
-    (grad,) = torch.autograd.grad(sum(w * loss for w, loss in zip(weights, losses, strict=True)), theta)
+    with one_thread():
+        theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch)
+        (grad,) = torch.autograd.grad(sum(w * loss for w, loss in zip(weights, losses, strict=True)), theta)
     return grad
 
 
@@ -105,8 +107,9 @@ def group_gradients(inst: AuditInstance, config: ObjectiveConfig, group_size: in
     """The gradient of compute_loss on each ordered group, [groups, *theta], and each group's
     probability: the exact distribution of the sampled gradient of one group (`engine_mismatch` as in
     `expected_gradient`)."""
-    theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch)
-    grads = [torch.autograd.grad(loss, theta, retain_graph=True)[0] for loss in losses]
+    with one_thread():
+        theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch)
+        grads = [torch.autograd.grad(loss, theta, retain_graph=True)[0] for loss in losses]
     return torch.stack(grads), weights
 
 

@@ -39,6 +39,7 @@ from trainer.kl_coefficient import KLCoefficient
 from trainer.objective import ObjectiveConfig, compute_loss
 from trainer.progress import progress_bar
 from trainer.reference_refresh import mix_
+from trainer.tabular import one_thread
 
 SAMPLINGS = {"on-policy": (False, False), "off-policy": (True, False), "engine mismatch": (False, True)}
 
@@ -370,36 +371,38 @@ def moving_targets_audit(vocab: int = 3, length: int = 2, group_size: int = 4, g
     mask = torch.ones(batch, length, dtype=torch.float64)
     rows = []
     bar = progress_bar(len(cases) * steps, "moving targets", progress)
-    for label, config in cases.items():
-        theta = ref_logits.clone().requires_grad_(True)
-        reference = ref_logits.clone()
-        coefficient = KLCoefficient(config)
-        optimizer = torch.optim.Adam([theta], lr=lr)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_floor ** (s / steps))
-        sampler = torch.Generator().manual_seed(seed + 1)
-        for step in range(steps):
-            token_logp = space.token_logp(theta)
-            ref_token_logp = space.token_logp(reference)
+    with one_thread():  # tiny tensors: intra-op threads only contend
+        for label, config in cases.items():
+            theta = ref_logits.clone().requires_grad_(True)
+            reference = ref_logits.clone()
+            coefficient = KLCoefficient(config)
+            optimizer = torch.optim.Adam([theta], lr=lr)
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_floor ** (s / steps))
+            sampler = torch.Generator().manual_seed(seed + 1)
+            for step in range(steps):
+                token_logp = space.token_logp(theta)
+                ref_token_logp = space.token_logp(reference)
+                with torch.no_grad():
+                    picked = torch.multinomial(token_logp.sum(-1).exp(), batch, replacement=True, generator=sampler)
+                loss, _ = compute_loss(token_logp[picked], ref_token_logp[picked], None, rewards[picked], mask,
+                                       group_size, coefficient.objective(config))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                with torch.no_grad():  # as the trainer does after each step
+                    estimate = kl.estimate(config.estimator, token_logp[picked], ref_token_logp[picked])
+                    coefficient.update(float(estimate.mean()), batch)
+                    if config.ref_refresh_every and (step + 1) % config.ref_refresh_every == 0:
+                        mix_([reference], [theta], config.ref_refresh_alpha)
+                bar.update()
             with torch.no_grad():
-                picked = torch.multinomial(token_logp.sum(-1).exp(), batch, replacement=True, generator=sampler)
-            loss, _ = compute_loss(token_logp[picked], ref_token_logp[picked], None, rewards[picked], mask, group_size,
-                                   coefficient.objective(config))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            with torch.no_grad():  # as the trainer does after each step
-                estimate = kl.estimate(config.estimator, token_logp[picked], ref_token_logp[picked])
-                coefficient.update(float(estimate.mean()), batch)
-                if config.ref_refresh_every and (step + 1) % config.ref_refresh_every == 0:
-                    mix_([reference], [theta], config.ref_refresh_alpha)
-            bar.update()
-        with torch.no_grad():
-            final = coefficient.value
-            to_final = float(tabular.sequence_kl(space, theta, tabular.optimum_logp(space, ref_logits, rewards, final)))
-            rows.append(MovingTargetRow(label, final, to_final, float(tabular.sequence_kl(space, theta, start)),
-                                        final * to_final, float(tabular.sequence_kl(space, theta, ref_seq)),
-                                        float(space.seq_logp(theta).exp() @ rewards)))
+                final = coefficient.value
+                final_optimum = tabular.optimum_logp(space, ref_logits, rewards, final)
+                to_final = float(tabular.sequence_kl(space, theta, final_optimum))
+                rows.append(MovingTargetRow(label, final, to_final, float(tabular.sequence_kl(space, theta, start)),
+                                            final * to_final, float(tabular.sequence_kl(space, theta, ref_seq)),
+                                            float(space.seq_logp(theta).exp() @ rewards)))
     bar.close()
     return rows
 
