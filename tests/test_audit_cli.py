@@ -22,8 +22,12 @@ def test_audit_prints_the_table_and_writes_csv_json_markdown(tmp_path):
     assert "per-prefix forward (agrees)" in result.stdout
     assert "DISAGREES" not in result.stdout
     rows = list(csv.DictReader((tmp_path / "gradient_audit.csv").open()))
-    # per estimator (k1, k2, k3, full): on-policy 3 + 2 differentiable; off-policy 1 reward + 6 loss; 3 sequence
-    assert len(rows) == 4 * (5 + 7 + 3)
+    # per estimator (k1, k2, k3, k3+, full) and placement with a KL term (the three in the reward alone
+    # and the three with a loss): on-policy 3 + 3 x 2; off-policy 3 + 3 x 3; sequence 6
+    assert len(rows) == 5 * (9 + 12 + 6)
+    assert "| on-policy | k1 | reward-to-go | - | token |" in result.stdout
+    assert "| entropy bonus | entropy_coef 0.1 | on-policy |" in result.stdout  # the peers' settings, below
+    assert (tmp_path / "peers_audit.csv").is_file() and (tmp_path / "peers_audit.md").is_file()
     data = json.loads((tmp_path / "gradient_audit.json").read_text())
     assert data["setup"]["seeds"] == [0] and len(data["rows"]) == len(rows)
     verdicts = {(r["estimator"], r["placement"]): r["verdict"] for r in rows
@@ -59,7 +63,9 @@ def test_convergence_separates_unbiased_from_biased_configurations():
     audit = convergence.convergence_audit(steps=300, groups_per_step=16, progress=False)
     final = audit.final
     start = audit.setup["start_kl_to_optimum"]
-    assert convergence.unbiased_labels() == {"k1 reward", "k1 reward+loss", "k3 reward+loss", "full reward+loss"}
+    assert convergence.unbiased_labels() == {"k1 reward", "k1 reward+loss", "k3 reward+loss", "full reward+loss",
+                                             "k1 reward-to-go", "k1 reward-to-go+loss", "k3 reward-to-go+loss",
+                                             "full reward-to-go+loss"}
     unbiased = [final[name] for name in convergence.unbiased_labels()]
     biased = [final[name] for name in ("k2 loss", "k3 loss", "k2 reward+loss", "k2 reward", "k3 reward", "full loss",
                                        "full reward")]

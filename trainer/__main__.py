@@ -88,9 +88,9 @@ def _run_audit(args: argparse.Namespace) -> int:
         print()
         print(convergence.convergence_table_markdown(conv))
         moving = peers_audit.moving_targets_audit(args.vocab, args.length, args.conv_group_size, args.conv_groups,
-                                                  beta=args.conv_beta, lr=args.conv_lr, seed=args.conv_seed,
+                                                  args.conv_steps, args.conv_beta, args.conv_lr, seed=args.conv_seed,
                                                   progress=args.progress)
-        moving_setup = {**setup, "steps": 600, "beta": args.conv_beta, "seed": args.conv_seed}
+        moving_setup = {**setup, "steps": args.conv_steps, "beta": args.conv_beta, "seed": args.conv_seed}
         print()
         print(peers_audit.moving_targets_markdown(moving, moving_setup))
     if args.out is not None:

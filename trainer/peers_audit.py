@@ -352,7 +352,7 @@ def moving_targets_audit(vocab: int = 3, length: int = 2, group_size: int = 4, g
                          progress: bool | None = None) -> list[MovingTargetRow]:
     """k1-reward tabular policies trained from pi_ref (as the convergence audit trains them) with beta fixed,
     adaptive (target: half the per-token KL of pi*, horizon 10000, the libraries' controller), and with the
-    reference refreshed (a hard copy every 100 steps; Polyak 0.6 every 50)."""
+    reference refreshed (a hard copy every tenth of the run; Polyak 0.6 every twentieth)."""
     space = tabular.SequenceSpace(vocab, length)
     gen = torch.Generator().manual_seed(seed)
     ref_logits = space.random_logits(gen)
@@ -361,12 +361,13 @@ def moving_targets_audit(vocab: int = 3, length: int = 2, group_size: int = 4, g
     start = tabular.optimum_logp(space, ref_logits, rewards, beta)
     optimum_token_kl = float((start.exp() * (start - ref_seq)).sum()) / length
     base = ObjectiveConfig(estimator="k1", placement="reward", beta=beta, advantage="rloo")
+    copy_every, mix_every = max(1, steps // 10), max(1, steps // 20)
     cases = {"fixed beta": base,
              "adaptive beta (target: half pi*'s KL)": replace(base, kl_target=optimum_token_kl / 2, kl_horizon=10000),
              "adaptive beta (target: twice pi*'s KL)": replace(base, kl_target=2 * optimum_token_kl, kl_horizon=10000),
-             "reference copied every 100 steps": replace(base, ref_refresh_every=100),
-             "reference mixed in, alpha 0.6, every 50 steps": replace(base, ref_refresh_every=50,
-                                                                      ref_refresh_alpha=0.6)}
+             f"reference copied every {copy_every} steps": replace(base, ref_refresh_every=copy_every),
+             f"reference mixed in, alpha 0.6, every {mix_every} steps": replace(base, ref_refresh_every=mix_every,
+                                                                                ref_refresh_alpha=0.6)}
     batch = group_size * groups_per_step
     mask = torch.ones(batch, length, dtype=torch.float64)
     rows = []
