@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trainer import convergence
+from trainer import convergence, presets
 
 
 def run_cli(*args, cwd=None):
@@ -73,3 +73,18 @@ def test_convergence_separates_unbiased_from_biased_configurations():
     assert max(unbiased) < min(biased)          # every biased one ends further away
     assert final["k1 reward"] < 1e-6            # zero-variance fixed point: all shaped rewards equal at pi*
     assert final["none"] > 1 and final["k1 loss"] > 0.5  # no regularisation: the reward's argmax
+
+
+def test_audit_presets_explains_each_librarys_default(tmp_path):
+    result = run_cli("--presets", "--seeds", "0", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    rows = {r["preset"]: r for r in csv.DictReader((tmp_path / "presets_audit.csv").open())}
+    assert set(rows) == set(presets.NAMES) and (tmp_path / "presets_audit.md").is_file()
+    assert {name for name, r in rows.items() if r["on_policy"] == "unbiased"} == {"verl-reward", "openrlhf",
+                                                                                  "trl-rloo"}
+    assert {r["on_policy"] for name, r in rows.items() if r["placement"] == "loss"} == {"per-prefix forward",
+                                                                                        "per-prefix reverse"}
+    assert rows["slime-grpo-reward-kl"]["on_policy"] == "zero"
+    assert all(r["off_policy"] != "unbiased" for r in rows.values())  # token ratios: none of them off-policy
+    assert "| trl-rloo | TRL RLOOTrainer | 0.05 | k1 | reward |" in result.stdout
+    assert "huggingface/trl@f2cd5771" in result.stdout
