@@ -75,12 +75,32 @@ def test_clamps_bound_the_estimate_zero_its_gradient_beyond_and_are_counted():
     ref = torch.tensor([[-1.5, -1.0, -2.0]], dtype=torch.float64)
     value = kl.estimate("k3", logp, ref, log_ratio_clamp=20.0, value_clamp=10.0)
     (grad,) = torch.autograd.grad(value.sum(), logp)
-    assert float(value[0, 1]) == 10.0 and float(grad[0, 1]) == 0.0  # l = -29: clamped to -20, then k3 to 10
+    assert float(value[0, 1].detach()) == 10.0 and float(grad[0, 1]) == 0.0  # l = -29: clamped to -20, k3 to 10
     assert torch.equal(value[0, [0, 2]], kl.estimate("k3", logp, ref)[0, [0, 2]])  # untouched inside the bounds
     assert kl.clamped("k3", logp, ref, 20.0, 10.0).tolist() == [[False, True, False]]
     config = ObjectiveConfig(estimator="k3", placement="loss", beta=0.1, kl_log_ratio_clamp=20.0, kl_value_clamp=10.0)
     _, stats = compute_loss(logp, ref, None, torch.ones(1), torch.ones(1, 3), 1, replace(config, advantage="reinforce"))
     assert stats["kl_clamped_tokens"] == 1.0
+
+
+def test_clamps_act_where_each_library_puts_them():
+    """verl's k3+ clamps the value it reports, never k2's gradient; NeMo-RL clamps the weighted term, and a
+    token whose log-ratio clamp binds contributes no gradient, its weight's included."""
+    logp = torch.tensor([[-1.0, -30.0, -6.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -1.0]], dtype=torch.float64)
+    value = kl.estimate("k3+", logp, ref, log_ratio_clamp=20.0, value_clamp=10.0)
+    (grad,) = torch.autograd.grad(value.sum(), logp)
+    l = (logp - ref).detach()
+    assert torch.equal(value.detach(), kl.estimate("k3", logp, ref, 20.0, 10.0).detach())
+    assert torch.allclose(grad, l)  # k2's gradient l everywhere, clamps or not
+    ones, config = torch.ones(1, 3, dtype=torch.float64), ObjectiveConfig(
+        estimator="k3", placement="loss", beta=1.0, advantage="reinforce", kl_loss_ratio="score",
+        kl_log_ratio_clamp=20.0, kl_value_clamp=10.0)
+    loss, _ = compute_loss(logp, ref, None, torch.zeros(1), ones, 1, config)
+    (grad,) = torch.autograd.grad(loss, logp)
+    k3 = kl.estimate("k3", logp.detach(), ref)
+    assert float(grad[0, 1]) == 0.0 and float(grad[0, 2]) == 0.0  # log-ratio clamped; weighted value past 10
+    assert float(grad[0, 0]) == pytest.approx(float(k3[0, 0] + 1 - torch.exp(-l[0, 0])))  # (k + c) grad log pi
 
 
 def test_the_engine_and_score_weights_are_the_differentiable_one_on_policy_with_an_exact_engine():

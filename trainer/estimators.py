@@ -6,7 +6,8 @@ With the token log-ratio l = log pi_theta - log pi_ref of a sampled token (KL_TH
     k2 = l**2 / 2       biased, second-order match to the KL
     k3 = r - 1 + l      r = exp(-l): unbiased, never negative, low variance
     k3+                 k3's value with k2's gradient (verl's `+` suffix, a straight-through
-                        estimate: the value is detached, k2's gradient l * grad log pi is added)
+                        estimate: the value is detached, k2's gradient l * grad log pi is added,
+                        from the unclamped log-ratio: clamps bound its value, never its gradient)
     full                the exact next-token KL(pi(.|y_<t) || pi_ref(.|y_<t)), summed over the
                         vocabulary from both models' hidden states (trainer.full_kl): no sampling
                         noise at the token (Rao-Blackwellised; Amini, Vieira and Cotterell 2025)
@@ -38,6 +39,9 @@ class Estimator:
     clamps: bool = False                                 # the formula bounds an exponent (trainer.kl)
     token_dependent: bool = True  # the term at t depends on y_t itself (off-policy weights run through it)
     logged: bool = True           # its value is logged as kl_<name> (not when it repeats another's value)
+    # (l, bound) -> the term whose gradient the estimate takes instead of its own (a straight-through
+    # estimate: the formula's value, detached and clamped as configured, plus this term's gradient)
+    gradient_of: Callable[[Any, float], Any] | None = None
     theory: dict[tuple[str, str], str] = field(default_factory=dict)
     color: str = "tab:gray"
     marker: str = "X"
@@ -68,12 +72,6 @@ def _k3(lr, bound):
     return (-lr).clamp(max=bound).expm1() + lr
 
 
-def _k3_plus(lr, bound):
-    """k3's value, k2's gradient: (k3 - k2) detached, plus k2."""
-    k2 = 0.5 * lr.square()
-    return (_k3(lr, bound) - k2).detach() + k2
-
-
 REGISTRY.register(Estimator(
     "k3", "exp(-l) - 1 + l", formula=_k3, clamps=True,
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix forward",
@@ -82,7 +80,8 @@ REGISTRY.register(Estimator(
             ("reward-token", "none"): "biased"},
     color="tab:green", marker="^"))
 REGISTRY.register(Estimator(
-    "k3+", "k3's value, k2's gradient", formula=_k3_plus, clamps=True, logged=False,
+    "k3+", "k3's value, k2's gradient", formula=_k3, gradient_of=lambda lr, bound: 0.5 * lr.square(), clamps=True,
+    logged=False,
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
             ("reward+loss", "none"): "biased", ("reward-to-go", "none"): "biased",
             ("reward-to-go+loss", "none"): "biased", ("reward-token", "none"): "biased"},

@@ -85,9 +85,13 @@ def estimate(estimator: str, logp: Tensor, ref_logp: Tensor, log_ratio_clamp: fl
     [-c, c] first; with `value_clamp` v, the estimate to [-v, v] (verl, NeMo-RL, OpenRLHF, SkyRL).
     """
     spec = _sampled(estimator)
-    lr = log_ratio(logp, ref_logp)
-    bound = max_exponent(lr.dtype, logp.dtype, ref_logp.dtype)
-    if log_ratio_clamp is not None:
-        lr = lr.clamp(-log_ratio_clamp, log_ratio_clamp)
+    raw = log_ratio(logp, ref_logp)
+    bound = max_exponent(raw.dtype, logp.dtype, ref_logp.dtype)
+    lr = raw if log_ratio_clamp is None else raw.clamp(-log_ratio_clamp, log_ratio_clamp)
     value = spec.formula(lr, bound)
-    return value if value_clamp is None else value.clamp(-value_clamp, value_clamp)
+    if value_clamp is not None:
+        value = value.clamp(-value_clamp, value_clamp)
+    if spec.gradient_of is None:
+        return value
+    surrogate = spec.gradient_of(raw, bound)  # straight through: the value, and the surrogate's gradient
+    return (value - surrogate).detach() + surrogate

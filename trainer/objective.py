@@ -73,15 +73,18 @@ def _check_inputs(logp: Tensor, per_response: dict[str, Tensor], group_size: int
         raise ValueError(f"batch of {logp.shape[0]} rows is not a whole number of groups of {group_size}")
 
 
-def _token_estimate(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None) -> Tensor:
-    """The per-token KL term [B, T] of config.estimator: from the sampled tokens' log-probs, or the
-    exact full-vocabulary KL (`token_kl`, computed by trainer.full_kl) for an estimator that needs it."""
+def _token_estimate(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None,
+                    value_clamp: bool = True) -> Tensor:
+    """The per-token KL term [B, T] of config.estimator: from the sampled tokens' log-probs (clamped as
+    configured; the value's clamp left to the caller without `value_clamp`), or the exact
+    full-vocabulary KL (`token_kl`, computed by trainer.full_kl) for an estimator that needs it."""
     if config.needs_full_kl:
         if token_kl is None:
             raise ValueError(f"estimator {config.estimator}: compute_loss needs token_kl, the exact per-token KL "
                              "over the vocabulary (trainer.full_kl)")
         return token_kl.to(kl.compute_dtype(logp, ref_logp))
-    return kl.estimate(config.estimator, logp, ref_logp, config.kl_log_ratio_clamp, config.kl_value_clamp)
+    return kl.estimate(config.estimator, logp, ref_logp, config.kl_log_ratio_clamp,
+                       config.kl_value_clamp if value_clamp else None)
 
 
 @torch.no_grad()
@@ -221,7 +224,6 @@ def policy_loss(
         raise ValueError(f"objective.{key}: compute_loss needs engine_logp, the engine's own log-probs")
     if config.entropy_coef and entropy is None:
         raise ValueError("objective.entropy_coef: compute_loss needs entropy, each position's entropy (with grad)")
-    estimate = _token_estimate(config, logp, ref_logp, token_kl) if config.kl_in_loss else None
     dtype = kl.compute_dtype(logp, ref_logp)
     maskf = mask.to(dtype)
     logp_c = logp.to(dtype)
@@ -245,9 +247,9 @@ def policy_loss(
 
     loss = loss_pg
     loss_kl = torch.zeros((), dtype=dtype, device=logp.device)
-    if estimate is not None:
-        kl_term = estimate if (weight := _kl_loss_weight(config, logp_c, ratio, sequence, engine_logp)) is None \
-            else weight * estimate
+    if config.kl_in_loss:
+        kl_term = _kl_loss_term(config, logp, ref_logp, token_kl, _kl_loss_weight(config, logp_c, ratio, sequence,
+                                                                                  engine_logp))
         loss_kl = config.beta * aggregate(kl_term, maskf, config.loss_agg, config.norm_length, totals)
         loss = loss + loss_kl
     loss_entropy = torch.zeros((), dtype=dtype, device=logp.device)
@@ -265,6 +267,22 @@ def policy_loss(
     if sequence is not None:
         stats.update(_sequence_stats(*sequence, maskf, config.sequence_ratio_cap))
     return loss, stats
+
+
+def _kl_loss_term(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None,
+                  weight: Tensor | None) -> Tensor:
+    """Each token's KL-loss term: its estimate, times its weight, clamped as the libraries clamp it. With a
+    weight (NeMo-RL, slime), the value clamp bounds the weighted term, and where the log-ratio clamp binds the
+    weight has no gradient either: a clamped token contributes no gradient at all, as without a weight."""
+    spec = estimators.REGISTRY[config.estimator]
+    after = weight is not None and config.kl_value_clamp is not None and spec.gradient_of is None
+    estimate = _token_estimate(config, logp, ref_logp, token_kl, value_clamp=not after)
+    if weight is None:
+        return estimate
+    if config.kl_log_ratio_clamp is not None:
+        weight = torch.where(kl.log_ratio(logp, ref_logp).abs() > config.kl_log_ratio_clamp, weight.detach(), weight)
+    term = weight * estimate
+    return term.clamp(-config.kl_value_clamp, config.kl_value_clamp) if after else term
 
 
 def _kl_loss_weight(config: ObjectiveConfig, logp: Tensor, ratio: Tensor, sequence: tuple[Tensor, Tensor] | None,

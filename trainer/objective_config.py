@@ -115,7 +115,10 @@ class ObjectiveConfig:
                     NeMo-RL 20, open-instruct 40); None = only the overflow bound (trainer.kl)
     kl_value_clamp  clamps each token's estimate to [-v, v] (verl, SkyRL, NeMo-RL 10, OpenRLHF 10,
                     slime's low_var_kl 10); None = off. A clamp that binds has no gradient, which
-                    changes what the configuration differentiates; stats count the clamped tokens
+                    changes what the configuration differentiates; stats count the clamped tokens.
+                    Where the KL loss has a weight, the value clamp bounds the weighted term, and a
+                    token whose log-ratio clamp binds gets no gradient through its weight either
+                    (NeMo-RL, slime); k3+ keeps k2's unclamped gradient (verl)
     kl_target, kl_horizon  the adaptive coefficient of Ziegler et al. (verl, OpenRLHF, SkyRL): after
                     each step, beta *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * responses / kl_horizon,
                     KL the batch's mean per-token estimate (trainer.kl_coefficient). Both or neither;

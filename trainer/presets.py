@@ -87,8 +87,7 @@ REGISTRY.register(Preset(
     "verl-k3+", "verl",
     "actor.use_kl_loss=true, kl_loss_type=k3+ (low_var_kl+), kl_loss_coef=0.001",
     {**K3_LOSS, **CLAMPS_20_10, "estimator": "k3+", "beta": 0.001}, VERL,
-    "verl clamps only the forward value; the k2 part that carries the gradient is unclamped (klstudy clamps "
-    "the log-ratio of both: the same wherever |l| <= 20)."))
+    "The clamps bound k3's value only; the k2 term that carries the gradient is unclamped (klstudy's k3+ too)."))
 REGISTRY.register(Preset(
     "verl-reward", "verl",
     "algorithm.use_kl_in_reward=true, kl_penalty=kl, kl_ctrl.type=fixed, kl_ctrl.kl_coef=0.001",
@@ -127,9 +126,9 @@ REGISTRY.register(Preset(
     "loss_fn: reference_policy_kl_type=k3, reference_policy_kl_penalty=0.01, kl_input_clamp_value=20, "
     "kl_output_clamp_value=10",
     {**K3_LOSS, **CLAMPS_20_10, "kl_loss_ratio": "score", "beta": 0.01}, NEMO_RL,
-    "The KL loss is weighted by exp(logp - sg(logp)), 1 in value. NeMo-RL clamps the weighted value and "
-    "detaches the weight where the input clamp binds (klstudy clamps before weighting: the same where no "
-    "clamp binds). use_kl_in_reward (REINFORCE++) gives each token its own KL (placement reward-token)."))
+    "The KL loss is weighted by exp(logp - sg(logp)), 1 in value; the output clamp bounds the weighted value, "
+    "and the weight is detached where the input clamp binds (as klstudy clamps a weighted KL loss). "
+    "use_kl_in_reward (REINFORCE++) gives each token its own KL (placement reward-token)."))
 REGISTRY.register(Preset(
     "nemo-rl-on-policy-kl", "NeMo-RL",
     "the same with use_on_policy_kl_approximation=true",
