@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainer import kl, peers_audit, tabular
+from trainer import kl, moving_targets, peers_audit, tabular
 from trainer.audit import AuditInstance, gradient_audit, rel_error
 from trainer.engine_weights import engine_weights
 from trainer.entropy_bonus import token_entropy
@@ -190,7 +190,7 @@ def test_a_refreshed_reference_is_mixed_in_parameter_by_parameter():
 
 def test_moving_targets_end_at_the_final_betas_optimum_and_a_refreshed_reference_leaves_the_original():
     rows = {r.label.split(" (")[0].split(" every")[0]: r
-            for r in peers_audit.moving_targets_audit(steps=200, groups_per_step=16, progress=False)}
+            for r in moving_targets.moving_targets_audit(steps=200, groups_per_step=16, progress=False)}
     fixed, adaptive = rows["fixed beta"], rows["adaptive beta"]
     assert adaptive.final_beta != fixed.final_beta == 0.3
     assert adaptive.kl_to_optimum_final_beta < adaptive.kl_to_optimum_start_beta / 2

@@ -57,7 +57,7 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from trainer import audit, convergence, peers_audit
+    from trainer import audit, convergence, moving_targets, peers_audit
 
     if args.vocab ** (args.length * args.group_size) > 200_000:
         raise ValueError(
@@ -87,12 +87,12 @@ def _run_audit(args: argparse.Namespace) -> int:
             progress=args.progress)
         print()
         print(convergence.convergence_table_markdown(conv))
-        moving = peers_audit.moving_targets_audit(args.vocab, args.length, args.conv_group_size, args.conv_groups,
+        moving = moving_targets.moving_targets_audit(args.vocab, args.length, args.conv_group_size, args.conv_groups,
                                                   args.conv_steps, args.conv_beta, args.conv_lr, seed=args.conv_seed,
                                                   progress=args.progress)
         moving_setup = {**setup, "steps": args.conv_steps, "beta": args.conv_beta, "seed": args.conv_seed}
         print()
-        print(peers_audit.moving_targets_markdown(moving, moving_setup))
+        print(moving_targets.moving_targets_markdown(moving, moving_setup))
     if args.out is not None:
         out: Path = args.out
         out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +114,7 @@ def _run_audit(args: argparse.Namespace) -> int:
                      peers_audit.additions_markdown(additions, setup), setup, print_table=False)
         if moving is not None:
             _write_audit(out, "moving_targets", peers_audit.records(moving),
-                         peers_audit.moving_targets_markdown(moving, moving_setup), moving_setup, print_table=False)
+                         moving_targets.moving_targets_markdown(moving, moving_setup), moving_setup, print_table=False)
         log.info("audit written to %s", out)
     disagreements = [f"{r.estimator} {r.placement} ({r.kl_loss_ratio}): {r.verdict}, theory {r.theory}"
                      for r in grad.rows if r.agrees is False]

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer import advantages, estimators, kl, placements
+from trainer import advantages, estimators, kl
 from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, PLACEMENTS
 from trainer.engine_weights import engine_weights
+from trainer.kl_terms import kl_loss_term, kl_loss_weight, kl_reward_span, reward_kl
 from trainer.objective_config import ObjectiveConfig
 
 __all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PG_RATIOS", "PLACEMENTS", "Advantages", "ObjectiveConfig", "advantage_stats",
@@ -73,41 +74,6 @@ def _check_inputs(logp: Tensor, per_response: dict[str, Tensor], group_size: int
         raise ValueError(f"batch of {logp.shape[0]} rows is not a whole number of groups of {group_size}")
 
 
-def _token_estimate(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None,
-                    value_clamp: bool = True) -> Tensor:
-    """The per-token KL term [B, T] of config.estimator: from the sampled tokens' log-probs (clamped as
-    configured; the value's clamp left to the caller without `value_clamp`), or the exact
-    full-vocabulary KL (`token_kl`, computed by trainer.full_kl) for an estimator that needs it."""
-    if config.needs_full_kl:
-        if token_kl is None:
-            raise ValueError(f"estimator {config.estimator}: compute_loss needs token_kl, the exact per-token KL "
-                             "over the vocabulary (trainer.full_kl)")
-        return token_kl.to(kl.compute_dtype(logp, ref_logp))
-    return kl.estimate(config.estimator, logp, ref_logp, config.kl_log_ratio_clamp,
-                       config.kl_value_clamp if value_clamp else None)
-
-
-@torch.no_grad()
-def reward_kl(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, mask: Tensor,
-              token_kl: Tensor | None = None) -> Tensor:
-    """The KL estimate that the rewards are shaped with, from the log-probs (and, for `full`, token_kl) of
-    the policy config.reward_kl names: [B], each response's sum over its tokens of config.estimator; or,
-    for a placement with per-token KL rewards (reward-to-go, reward-token), [B, T], 0 on padding.
-    Detached: it reaches the gradient only through the advantages."""
-    estimate = _token_estimate(config, logp, ref_logp, token_kl) * mask.to(kl.compute_dtype(logp, ref_logp))
-    return estimate if config.kl_in_token_rewards else estimate.sum(dim=-1)
-
-
-def _kl_reward_span(token_kl: Tensor, config: ObjectiveConfig) -> Tensor:
-    """[B, T] the KL each token's score is weighted by: the KL at and after it (to go; after it for an
-    estimator whose term at t does not depend on y_t, as `full`'s, whose own term would only add noise),
-    or its own."""
-    if placements.REGISTRY[config.placement].reward_span == "token":
-        return token_kl
-    to_go = token_kl.flip(-1).cumsum(-1).flip(-1)
-    return to_go if estimators.REGISTRY[config.estimator].token_dependent else to_go - token_kl
-
-
 @dataclass(frozen=True)
 class Advantages:
     """A minibatch's rewards, shaped with the KL when it goes in the reward, and their advantages."""
@@ -140,7 +106,7 @@ def batch_advantages(rewards: Tensor, sequence_kl: Tensor | None, group_size: in
                                  f"{tuple(token_kl.shape)}")
             base = advantages.compute(config.advantage, rewards.to(token_kl.dtype), group_size,
                                       grpo_scale=config.grpo_scale)
-            values = base.unsqueeze(-1) - config.beta * _kl_reward_span(token_kl, config)
+            values = base.unsqueeze(-1) - config.beta * kl_reward_span(token_kl, config)
             return Advantages(rewards, rewards.to(token_kl.dtype) - config.beta * token_kl.sum(-1), values)
         shaped = rewards.to(sequence_kl.dtype) - config.beta * sequence_kl.detach()
     else:
@@ -248,7 +214,7 @@ def policy_loss(
     loss = loss_pg
     loss_kl = torch.zeros((), dtype=dtype, device=logp.device)
     if config.kl_in_loss:
-        kl_term = _kl_loss_term(config, logp, ref_logp, token_kl, _kl_loss_weight(config, logp_c, ratio, sequence,
+        kl_term = kl_loss_term(config, logp, ref_logp, token_kl, kl_loss_weight(config, logp_c, ratio, sequence,
                                                                                   engine_logp))
         loss_kl = config.beta * aggregate(kl_term, maskf, config.loss_agg, config.norm_length, totals)
         loss = loss + loss_kl
@@ -267,34 +233,6 @@ def policy_loss(
     if sequence is not None:
         stats.update(_sequence_stats(*sequence, maskf, config.sequence_ratio_cap))
     return loss, stats
-
-
-def _kl_loss_term(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None,
-                  weight: Tensor | None) -> Tensor:
-    """Each token's KL-loss term: its estimate, times its weight, clamped as the libraries clamp it. With a
-    weight (NeMo-RL, slime), the value clamp bounds the weighted term, and where the log-ratio clamp binds the
-    weight has no gradient either: a clamped token contributes no gradient at all, as without a weight."""
-    spec = estimators.REGISTRY[config.estimator]
-    after = weight is not None and config.kl_value_clamp is not None and spec.gradient_of is None
-    estimate = _token_estimate(config, logp, ref_logp, token_kl, value_clamp=not after)
-    if weight is None:
-        return estimate
-    if config.kl_log_ratio_clamp is not None:
-        weight = torch.where(kl.log_ratio(logp, ref_logp).abs() > config.kl_log_ratio_clamp, weight.detach(), weight)
-    term = weight * estimate
-    return term.clamp(-config.kl_value_clamp, config.kl_value_clamp) if after else term
-
-
-def _kl_loss_weight(config: ObjectiveConfig, logp: Tensor, ratio: Tensor, sequence: tuple[Tensor, Tensor] | None,
-                    engine_logp: Tensor | None) -> Tensor | None:
-    """The weight on each KL-loss token (objective.kl_loss_ratio), None for none."""
-    name = config.kl_loss_ratio
-    if name == "engine":  # pi / mu_engine, differentiable (NeMo-RL's on-policy KL approximation)
-        return torch.exp(logp - engine_logp.to(logp.dtype))
-    if name == "score":   # 1 in value, the score term in the gradient (NeMo-RL's default)
-        return torch.exp(logp - logp.detach())
-    return {"none": None, "detached": ratio.detach(), "differentiable": ratio,
-            "sequence": sequence[1] if sequence else None}[name]
 
 
 def _uses_sequence_ratios(config: ObjectiveConfig) -> bool:
