@@ -87,7 +87,9 @@ REGISTRY.register(Preset(
     "verl-k3+", "verl",
     "actor.use_kl_loss=true, kl_loss_type=k3+ (low_var_kl+), kl_loss_coef=0.001",
     {**K3_LOSS, **CLAMPS_20_10, "estimator": "k3+", "beta": 0.001}, VERL,
-    "The clamps bound k3's value only; the k2 term that carries the gradient is unclamped (klstudy's k3+ too)."))
+    "The clamps bound k3's value only; the k2 term that carries the gradient is unclamped (klstudy's k3+ too). "
+    "What kl_penalty's docstring and code intend: at this commit its kl_penalty_forward is given the name with "
+    "its '+' and raises NotImplementedError, so verl itself cannot run k3+ yet."))
 REGISTRY.register(Preset(
     "verl-reward", "verl",
     "algorithm.use_kl_in_reward=true, kl_penalty=kl, kl_ctrl.type=fixed, kl_ctrl.kl_coef=0.001",
