@@ -65,6 +65,14 @@ class RunRecord:
     def label(self) -> str:
         return axes.configuration(self.coords)
 
+    @property
+    def final_beta(self) -> float | None:
+        """The beta of the run's last measurement (an adaptive beta moves; the objective line records it),
+        else its coordinate."""
+        if self.coords["beta"] is None:
+            return None
+        return self.objective[-1].get("beta", self.coords["beta"]) if self.objective else self.coords["beta"]
+
     def measured(self, beta: float | None) -> dict[str, float] | None:
         """The final model's measured objective: reward and KL to the reference, and at `beta` (any
         beta, not only the run's own) the objective, its optimum and the gap, each with its standard
