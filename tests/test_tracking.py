@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from study_fixture import write_run, write_study
@@ -351,6 +352,67 @@ def test_an_unreachable_server_is_one_clear_error(tmp_path):
                           timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "does not answer (connection refused): start it, or point tracking.uri" in done.stderr
+
+
+LIVE_STUDY = {
+    "study": "live-uri",
+    "grid": {"estimators": ["k1"], "placements": ["reward"], "betas": [0.1], "seeds": [0], "baseline": False},
+    "run": {"task": {"name": "arithmetic", "options": {"max_operand": 9}}, "rollout": {"max_new_tokens": 4},
+            "train": {"steps": 3, "prompts_per_step": 4, "group_size": 4}},
+    "data": {"heldout": {"task": "arithmetic", "options": {"max_operand": 9, "seed": 1}, "n": 10}},
+    "evaluate": {"suites": ["toy"], "samples": 2, "data": {"arith": "heldout"}},
+}
+REPO = Path(__file__).resolve().parent.parent
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--profile",
+             str(REPO / "profiles" / "local"), "--cores", "2"]
+
+
+def live_study(directory, model, **tracking):
+    config = json.loads(json.dumps(LIVE_STUDY)) | {"models": {"toy": {"path": str(model)}}}
+    if tracking:
+        config["tracking"] = tracking
+    path = directory / "study.yaml"
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_the_study_configs_tracking_uri_drives_the_training_jobs_followers(warm_model, tmp_path, served):
+    """tracking.uri, not only MLFLOW_TRACKING_URI, starts each training job's follower, and wins over the
+    variable (here pointing at a port where nothing listens). The study is opened before training starts.
+    Only the training job runs: the run's steps in MLflow are the follower's. The key used to reach the
+    track and report jobs only; with it alone, there were no live curves."""
+    port, _ = served
+    uri = f"http://127.0.0.1:{port}"
+    config = live_study(tmp_path, warm_model, uri=uri)
+    name = "toy__k1-reward__b0.1__s0"
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}")
+    done = subprocess.run([*SNAKEMAKE, "--directory", str(tmp_path), "--configfile", str(config),
+                           f"results/runs/{name}/COMPLETE"], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    children, parents = child_runs(uri, "live-uri")
+    assert len(parents) == 1 and [r.data.tags["klstudy.run_id"] for r in children] == [name]
+    steps = client(uri).get_metric_history(children[0].info.run_id, "reward_mean")
+    assert sorted(m.step for m in steps) == [0, 1, 2] and children[0].info.status == "FINISHED"
+    started = (tmp_path / "results" / "runs" / name / "config.yaml").stat().st_mtime * 1000
+    assert parents[0].info.start_time <= started  # opened before the training job began
+    assert "MLflow, the study's runs (live): " + uri in done.stderr
+
+
+def test_without_tracking_uri_the_variable_starts_followers_and_without_either_none_start(tmp_path):
+    """The precedence: tracking.uri, else MLFLOW_TRACKING_URI (read in the job, which checks that it has
+    it), else no follower (the track job syncs into results/mlflow.db at the end)."""
+    config = live_study(tmp_path, tmp_path / "model")
+    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    shown = {}
+    for label, env in (("variable", base | {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}), ("none", base)):
+        dry = subprocess.run([*SNAKEMAKE, "--directory", str(tmp_path), "--configfile", str(config), "-n", "-p"],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert dry.returncode == 0, dry.stderr[-3000:]
+        shown[label] = dry.stdout + dry.stderr
+    assert 'if [ -n "${MLFLOW_TRACKING_URI:-}" ]; then' in shown["variable"]
+    assert "--study live-uri --follow results/runs/toy__k1-reward__b0.1__s0" in shown["variable"]
+    assert "--follow" not in shown["none"] and "sweep track --results results --study live-uri" in shown["none"]
 
 
 PASSWORD = "s3cret-Pass-8817"
