@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -212,13 +213,14 @@ def sync(results: Path, study: str, uri: str | None = None, runs: list[Path] | N
 
 
 def follow(results: Path, study: str, run_dirs: Path | list[Path], uri: str | None = None, interval: float = 30.0,
-           max_wait: float | None = None) -> None:
-    """Sync a training job's runs every `interval` s until all are complete (then once more). A tracking
-    outage only delays the view; after a failed round, the next checks the records against the server."""
+           max_wait: float | None = None, ended: threading.Event | None = None) -> None:
+    """Sync a training job's runs every `interval` s until all are complete, or until `ended` is set (the
+    job's training is over), then once more. A tracking outage only delays the view; after a failed round,
+    the next checks the records against the server."""
     run_dirs = [Path(run_dirs)] if isinstance(run_dirs, (str, Path)) else [Path(d) for d in run_dirs]
-    start, verify = time.monotonic(), False
+    start, verify, ended = time.monotonic(), False, ended or threading.Event()
     while True:
-        done = all((run / COMPLETE).exists() for run in run_dirs)
+        done = ended.is_set() or all((run / COMPLETE).exists() for run in run_dirs)
         try:
             sync(results, study, uri, runs=run_dirs, verify=verify)
             verify = False
@@ -230,4 +232,4 @@ def follow(results: Path, study: str, run_dirs: Path | list[Path], uri: str | No
             verify = True
         if done or (max_wait is not None and time.monotonic() - start > max_wait):
             return
-        time.sleep(interval)
+        ended.wait(interval)

@@ -26,19 +26,24 @@ def train_launcher(model):
 LIVE_URI = STUDY.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
 
 
+FOLLOWER_LAST_ROUND_S = 60  # after training, a job tells its follower (SIGUSR1) and waits this long at most
+
+
 def follower(followed="{params.follow}"):
     """The lines of a training job's shell command that start its follower, syncing `followed` (the job's
-    run directories); none without live tracking. The follower gets tracking.uri, or else reads
-    MLFLOW_TRACKING_URI in the job, which then checks that it has it."""
+    run directories), and those that wait, after training, for its last round; none without live tracking.
+    The follower gets tracking.uri, or else reads MLFLOW_TRACKING_URI in the job, which checks that it has it."""
     if not LIVE_URI:
-        return ""
+        return "", ""
     uri = f"--uri {shlex.quote(STUDY.tracking_uri)} " if STUDY.tracking_uri else ""
     uri = uri.replace("{", "{{").replace("}", "}}")  # the shell command is a format string
     lines = [f"{{PY}} -m sweep track --results {{params.results}} --study {{params.study}} {uri}--follow {followed} \\",
-             "    > {log.track} 2>&1 &", 'trap "kill $! 2>/dev/null || true" EXIT']
+             "    > {log.track} 2>&1 &", "follower=$!", 'trap "kill $follower 2>/dev/null || true" EXIT']
     if not STUDY.tracking_uri:
         lines = ['if [ -n "${{MLFLOW_TRACKING_URI:-}}" ]; then', *(f"    {line}" for line in lines), "fi"]
-    return "".join(f"\n        {line}" for line in lines) + "\n"
+    wait = (f'[ -z "${{{{follower:-}}}}" ] || {{{{ kill -USR1 "$follower" && timeout {FOLLOWER_LAST_ROUND_S} '
+            'tail --pid="$follower" -f /dev/null; }} || true')
+    return "".join(f"\n        {line}" for line in lines) + "\n", f"        {wait}\n"
 
 
 def open_live_tracking():
@@ -77,7 +82,8 @@ if STUDY.bundle["train"] == 1:
         resources:
             **rule_resources("train", per_model=True),
         shell:
-            follower() + "        {params.launcher} train --out {params.out} {params.overrides:q} > {log.train} 2>&1\n"
+            follower()[0] + "        {params.launcher} train --out {params.out} {params.overrides:q} > {log.train} 2>&1\n"
+            + follower()[1]
 
 else:
     for number, runs in enumerate(TRAIN_JOBS):
@@ -103,5 +109,6 @@ else:
             resources:
                 **model_resources("train", model),
             shell:
-                follower(" ".join(shlex.quote(f"{RESULTS}/runs/{run}") for run in runs))
+                follower(" ".join(shlex.quote(f"{RESULTS}/runs/{run}") for run in runs))[0]
                 + "        {params.launcher} train-runs --plan {params.plan:q} > {log.train} 2>&1\n"
+                + follower()[1]
