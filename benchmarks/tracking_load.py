@@ -149,8 +149,8 @@ def follower(results: Path, run_dir: Path, uri: str, interval: float, rounds: Pa
         start = time.monotonic()
         report = real_sync(*args, **kwargs)
         with rounds.open("a") as handle:
-            handle.write(json.dumps({"t": time.time(), "s": time.monotonic() - start,
-                                     "steps": report.steps_logged, "created": report.runs_created}) + "\n")
+            handle.write(json.dumps({"t": time.time(), "s": time.monotonic() - start, "steps": report.steps_logged,
+                                     "work": report.runs_created + report.artifacts_logged}) + "\n")
         return report
 
     tracking.sync = timed_sync
@@ -262,7 +262,7 @@ def live_phase(args, results: Path, runs: list[tuple[str, dict]], template: dict
     unseen = [now - times[step] for name, times in written.items() for step in range(seen.get(name, -1) + 1,
                                                                                       len(times))]
     rounds = [json.loads(line) for path in rounds_dir.iterdir() for line in path.read_text().splitlines()]
-    quiet = [r["s"] for r in rounds if not r["steps"] and not r["created"]]
+    quiet = [r["s"] for r in rounds if not r["steps"] and not r["work"]]
     return {"followers": len(live), "lines": sum(map(len, written.values())), "live_s": live_s,
             "requests_per_s": requests / live_s, "lags": lags, "unseen": unseen, "stuck": len(stuck),
             "rounds": [r["s"] for r in rounds], "quiet_rounds": quiet}

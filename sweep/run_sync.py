@@ -241,16 +241,17 @@ def _log_evals(client, run_id: str, state: dict, record: RunRecord, stamps: dict
 
 
 def _set_up(client, run_id: str, record: RunRecord, report: SyncReport) -> None:
-    """Params and the config artifact, then the tag that says both are there: a child run without it
-    (a sync interrupted in between) is set up again, and every call is idempotent."""
+    """The config artifact, then the params, the last batch with the tag that says both are there: a
+    child run without it (a sync interrupted in between) is set up again, and every call is idempotent."""
     from mlflow.entities import RunTag
 
-    params = _params(record)
-    for start in range(0, len(params), MAX_PARAMS):
-        client.log_batch(run_id, params=params[start:start + MAX_PARAMS])
     client.log_artifact(run_id, str(record.path / "config.yaml"))
     report.artifacts_logged += 1
-    client.log_batch(run_id, tags=[RunTag(TAG_SET_UP, "1")])
+    params = _params(record)
+    starts = list(range(0, len(params), MAX_PARAMS)) or [0]
+    for start in starts:
+        tags = [RunTag(TAG_SET_UP, "1")] if start == starts[-1] else []
+        client.log_batch(run_id, params=params[start:start + MAX_PARAMS], tags=tags)
 
 
 def _log_curves(client, run_id: str, record: RunRecord, report: SyncReport) -> None:
@@ -262,12 +263,13 @@ def _log_curves(client, run_id: str, record: RunRecord, report: SyncReport) -> N
     report.artifacts_logged += 1
 
 
-def sync_run(store: Store, record: RunRecord, report: SyncReport, verify: bool, tags_known: bool,
+def sync_run(store: Store, record: RunRecord, report: SyncReport, verify: bool, whole: bool,
              asynchronous: bool = False) -> Callable[[], None]:
     """Log what is new in `record`'s directory into its child run. `verify`: check the record against
-    the server with one request (the track job); `tags_known`: the record's coordinates are final (its
-    study's extra axes are known), so tags that differ are logged again. Returns what finishes the run's
-    sync: waiting for metrics sent asynchronously, then writing the state."""
+    the server with one request; `whole`: a sync of the whole study (the track job), which knows the
+    runs' final coordinates (tags that differ are logged again) and draws their curves (curves.png; a
+    follower only streams metrics); `asynchronous`: metrics may go with MLflow's asynchronous logging.
+    Returns what finishes the run's sync: waiting for metrics sent asynchronously, then writing the state."""
     from mlflow.entities import RunTag
 
     client = store.client
@@ -286,7 +288,7 @@ def sync_run(store: Store, record: RunRecord, report: SyncReport, verify: bool, 
     if not state.get("set_up"):
         _set_up(client, run_id, record, report)
         state["set_up"] = True
-    if state.get("tags") is None or (tags_known and state["tags"] != wanted_tags(record)):
+    if state.get("tags") is None or (whole and state["tags"] != wanted_tags(record)):
         wanted = wanted_tags(record)
         logged = state.get("tags") or {}
         client.log_batch(run_id, tags=[RunTag(k, v) for k, v in wanted.items() if logged.get(k) != v])
@@ -298,10 +300,13 @@ def sync_run(store: Store, record: RunRecord, report: SyncReport, verify: bool, 
     measured = _pending(record.objective, record.path / OBJECTIVE, state.get("objective"), history(OBJECTIVE_ANCHOR))
     groups = [_metrics(line, stamps[int(line["step"])]) for line in pending]
     groups += [_metrics(line, stamps.get(int(line["step"]) - 1, t0), "objective/") for line in measured]
-    futures = [client.log_batch(run_id, metrics=batch, synchronous=not asynchronous) for batch in _batches(groups)]
+    # asynchronous: as MLflow's MLFLOW_ENABLE_ASYNC_LOGGING says (off by default: against a sqlite-backed
+    # server on 2 cores it was no faster, the server being the bottleneck; a scalable store gains)
+    futures = [client.log_batch(run_id, metrics=batch, synchronous=None if asynchronous else True)
+               for batch in _batches(groups)]
     report.steps_logged += len(pending)
     _log_evals(client, run_id, state, record, stamps, t0, report)
-    if record.complete and record.metrics and state.get("curves") != len(record.metrics):
+    if whole and record.complete and record.metrics and state.get("curves") != len(record.metrics):
         _log_curves(client, run_id, record, report)
         state["curves"] = len(record.metrics)
     if record.complete and not state.get("finished"):

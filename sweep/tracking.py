@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 # MLflow 3's UI opens an experiment of this kind on its training runs, not on GenAI traces
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
-IN_FLIGHT = 16  # runs whose metrics are on their way (MLflow's asynchronous logging) during a full sync
+IN_FLIGHT = 16  # runs whose metrics may be on their way (MLFLOW_ENABLE_ASYNC_LOGGING) during a whole sync
 
 
 def default_uri(results: Path) -> str:
@@ -198,7 +198,7 @@ def sync(results: Path, study: str, uri: str | None = None, runs: list[Path] | N
     in_flight: deque = deque()
     try:
         for record in records:
-            in_flight.append(sync_run(store, record, report, verify, tags_known=everything, asynchronous=everything))
+            in_flight.append(sync_run(store, record, report, verify, whole=everything, asynchronous=everything))
             while len(in_flight) > (IN_FLIGHT if everything else 0):
                 in_flight.popleft()()
     finally:
