@@ -201,9 +201,12 @@ def sync(results: Path, study: str, uri: str | None = None, runs: list[Path] | N
             in_flight.append(sync_run(store, record, report, verify, whole=everything, asynchronous=everything))
             while len(in_flight) > (IN_FLIGHT if everything else 0):
                 in_flight.popleft()()
-    finally:
         while in_flight:
             in_flight.popleft()()
+    except Exception as error:  # noqa: BLE001 - the server went away mid-sync: one error that says so
+        _check_access(error, uri)
+        _check_reachable(error, uri)
+        raise
     if everything:
         log.info("synced %s into %s: %d runs created, %d steps, %d evals", results, public_uri(uri),
                  report.runs_created, report.steps_logged, report.evals_logged)
