@@ -399,10 +399,10 @@ def test_the_study_configs_tracking_uri_drives_the_training_jobs_followers(warm_
     assert "MLflow, the study's runs (live): " + uri in done.stderr
 
 
-def test_without_tracking_uri_the_variable_starts_followers_and_without_either_none_start(tmp_path):
+def test_without_tracking_uri_the_variable_starts_followers_and_without_either_none_start(toy_model, tmp_path):
     """The precedence: tracking.uri, else MLFLOW_TRACKING_URI (read in the job, which checks that it has
     it), else no follower (the track job syncs into results/mlflow.db at the end)."""
-    config = live_study(tmp_path, tmp_path / "model")
+    config = live_study(tmp_path, toy_model)  # a dry run too checks that the model is there
     base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     shown = {}
     for label, env in (("variable", base | {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}), ("none", base)):
