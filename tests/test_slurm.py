@@ -187,8 +187,8 @@ def test_a_lease_held_in_a_slurm_job_is_live_while_slurm_runs_the_job(slurm):
     stale once SLURM no longer has it (trainer.lease)."""
     from trainer.lease import why_stale
 
-    job = subprocess.run(["sbatch", "--parsable", "--wrap", "sleep 120", "--mem", "100M"], capture_output=True,
-                         text=True, check=True).stdout.strip()
+    sbatch = ["sbatch", "--parsable", "--wrap", "sleep 120", "--mem", "100M", "--output", "/dev/null"]
+    job = subprocess.run(sbatch, capture_output=True, text=True, check=True).stdout.strip()
     try:
         holder = {"host": "another-node", "pid": 1, "slurm_job": job, "heartbeat": time.time()}
         deadline = time.monotonic() + 120
