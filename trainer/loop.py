@@ -47,6 +47,7 @@ from trainer.distributed import (
 from trainer.dropout import disable_dropout
 from trainer.full_kl import HeadInputs
 from trainer.kl_coefficient import KLCoefficient
+from trainer.lease import Lease
 from trainer.logprobs import CompletionLogprobs, PackedBatch, pack, states_of_rows, token_matrix
 from trainer.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
 from trainer.objective import Advantages, advantage_stats, batch_advantages, combine_stats, policy_loss, reward_kl
@@ -227,6 +228,7 @@ class Run:
         self.config, self.out, self.world = config, Path(out_dir), world
         self.task = check_before_loading(config)
         _check_world(config, world)
+        self.lease: Lease | None = None  # the main process's, on the run directory
         self._claim_directory()
         c = config
         self.tokenizer = load_tokenizer(c.model.path)
@@ -280,13 +282,16 @@ class Run:
     # --- run directory ----------------------------------------------------------------------
 
     def _claim_directory(self) -> None:
-        """The main process writes config.yaml, or checks that a run already here was started with the
-        same config; every process then raises its error, if any (none is left waiting)."""
+        """The main process takes the run directory's lease (trainer.lease), then writes config.yaml, or
+        checks that a run already here was started with the same config; every process then raises its
+        error, if any (none is left waiting)."""
         problem = None
         if self.world.main:
             try:
+                self.lease = Lease.acquire(self.out)
                 self._check_or_write_config()
-            except ConfigError as error:
+            except ValueError as error:  # ConfigError, LeaseHeld
+                self.release()
                 problem = str(error)
         problems = [p for p in self.world.gather(problem) if p]
         if problems:
@@ -305,6 +310,11 @@ class Run:
                                   "use another --out, or the same config to resume it")
         else:
             config_file.write_text(yaml.safe_dump(wanted, sort_keys=False))
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -370,6 +380,7 @@ class Run:
         if self.config.objective.ref_refresh_every:  # the reference moves: it is part of the run's state
             state["reference"] = full_state_dict(self.reference, prefix="lm.")
         if self.world.main:
+            self.lease.check()
             checkpoint.save(self.checkpoints_dir, self.step, self.lm, state, c.keep, c.keep_every, self.tokenizer,
                             state_dict=weights)
         self.world.barrier()
@@ -699,6 +710,7 @@ class Run:
             while self.step < c.train.steps:
                 metrics = self.run_step()
                 if metrics_file is not None:
+                    self.lease.check()
                     metrics_file.write(json.dumps(metrics) + "\n")
                     metrics_file.flush()
                 bar.update()
@@ -724,6 +736,7 @@ class Run:
             self.verifier.close()
         weights = full_state_dict(self.policy, prefix="lm.")
         if main:
+            self.lease.check()
             save_pretrained_atomic(self.out / "final", self.lm, self.tokenizer, state_dict=weights)
             (self.out / COMPLETE).write_text(json.dumps({"steps": self.step, "finished": time.time()}) + "\n")
             log.info("run complete: %s", self.out)
@@ -752,5 +765,6 @@ def train(config: RunConfig, out_dir: Path) -> int:
         finally:
             if run is not None:
                 run.engine.close()  # before the process group goes: vLLM tears down its groups in it
+                run.release()
             world.close()
     return 0
