@@ -94,14 +94,13 @@ def _check_access(error: Exception, uri: str) -> None:
 
 
 def runs_page(uri: str, experiment_id: str) -> str:
-    """The MLflow UI page that compares the study's runs: every grid point as a row, metrics as
-    columns. The experiment's own link opens on one collapsed parent row (or, in MLflow 3's UI, on
-    a GenAI overview); with a search filter the UI lists the children themselves. A local store
-    has no server: the page is where `mlflow ui --backend-store-uri <uri>` serves it."""
-    from urllib.parse import quote
+    """The MLflow UI page that compares the study's runs: every grid point as a row, the columns that
+    matter (sweep.study_page). A local store has no server: the page is where
+    `mlflow ui --backend-store-uri <uri>` serves it."""
+    from sweep.study_page import runs_page as saved_view_page
 
     base = public_uri(uri).rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
-    return f"{base}/#/experiments/{experiment_id}/runs?searchFilter={quote(GRID_POINTS, safe='')}"
+    return saved_view_page(base, experiment_id)
 
 
 def client_for(uri: str):
@@ -288,10 +287,12 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
     results = Path(results)
     uri = uri or default_uri(results)
     report = SyncReport()
+    from sweep import study_page  # what the UI shows of the study
+
     with sync_lock(results):
         client, experiment_id, parent_id = open_study(results, study, uri)
         report.parent_run_id, report.runs_page = parent_id, runs_page(uri, experiment_id)
-        for record in load_runs(results):
+        for record in (records := load_runs(results)):
             run_id = _child_run(client, experiment_id, parent_id, record, report)
             report.child_run_ids[record.run_id] = run_id
             before = report.steps_logged
@@ -301,8 +302,10 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
             _log_evals(client, run_id, run.data.tags, record, report)
             _log_objective(client, run_id, record)
             _log_curves(client, run_id, record, report, report.steps_logged > before)
+            study_page.show_grid_point(client, run_id, run.data.tags, record)
             if record.complete and run.info.status != "FINISHED":
                 client.set_terminated(run_id, "FINISHED")
+        study_page.publish_views(client, experiment_id, records)
     log.info("synced %s into %s: %d runs created, %d steps, %d evals", results, public_uri(uri), report.runs_created,
              report.steps_logged, report.evals_logged)
     log.info("the study's runs in MLflow: %s%s", report.runs_page,
