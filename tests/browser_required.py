@@ -15,6 +15,10 @@ CHROMIUM = os.environ.get("KLSTUDY_CHROMIUM", "/usr/bin/chromium")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 WINDOW = {"width": 1600, "height": 1000}
+try:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+except ImportError:  # require_browser() says so
+    PlaywrightTimeout = TimeoutError
 # Where the screenshots go: CI keeps them; docs/mlflow_ui.md shows two of them.
 ARTIFACTS = Path(os.environ.get("KLSTUDY_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
 
