@@ -67,7 +67,10 @@ def close_assistant(page):
 
 def open_landing_page(page, synced):
     page.goto(synced.runs_page)
-    page.get_by_text(f"{len(synced.child_run_ids)} matching runs").wait_for()
+    count = page.get_by_text(re.compile(r"^[1-9]\d* matching runs$"))  # not the "0" shown while loading
+    count.wait_for()
+    assert count.inner_text() == f"{len(synced.child_run_ids)} matching runs"  # the grid points, not their parent
+    page.get_by_role("link", name=min(synced.child_run_ids), exact=True).wait_for()  # the rows drawn
 
 
 def landing_page(page, synced, columns: list[str]) -> dict[str, dict[str, str]]:
