@@ -29,7 +29,7 @@ SORT_BY_NAME = "tags.`mlflow.runName`"  # any sort but the start time lists the 
 TAG_POINT = "klstudy.point"  # the grid point without its seed: what the mean-over-seeds view groups by
 NOTE = "mlflow.note.content"  # a run's description in the UI
 OBJECTIVE = ("objective/gap", "objective/kl", "objective/reward")  # at the measured steps (sweep.tracking)
-WIDTHS = {"tags": 110, "metrics": 150}  # px: at 1600 px the coordinates and a few metrics fit side by side
+WIDTHS = {"tags": 90, "metrics": 125}  # px: at 1600 px the coordinates and the first metrics fit side by side
 
 
 def runs_page(base: str, experiment_id: str) -> str:
