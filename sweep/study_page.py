@@ -20,9 +20,9 @@ import time
 from typing import Any
 
 from sweep.runs import RunRecord
-from sweep.tracking import GRID_POINTS
 
 VIEW_PREFIX = "mlflow.sharedViewState."  # MLflow's own prefix: the UI lists these in its "Views" menu
+GRID_POINTS = "tags.`klstudy.role` = 'grid-point'"  # the runs sweep.tracking tags as grid points
 GRID_VIEW, MEAN_VIEW = "klstudy-grid-points", "klstudy-mean-over-seeds"
 VIEW_NAMES = {GRID_VIEW: "klstudy: every grid point", MEAN_VIEW: "klstudy: mean over seeds"}
 SORT_BY_NAME = "tags.`mlflow.runName`"  # any sort but the start time lists the grid points, not their parent

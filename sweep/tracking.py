@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from sweep import study_page  # what the UI shows of the study
 from sweep.axes import flatten
 from sweep.runs import RunRecord, load_runs
 
@@ -63,7 +64,6 @@ class SyncReport:
     runs_page: str = ""
 
 
-GRID_POINTS = f"tags.`{TAG_ROLE}` = 'grid-point'"
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
 
 
@@ -97,10 +97,8 @@ def runs_page(uri: str, experiment_id: str) -> str:
     """The MLflow UI page that compares the study's runs: every grid point as a row, the columns that
     matter (sweep.study_page). A local store has no server: the page is where
     `mlflow ui --backend-store-uri <uri>` serves it."""
-    from sweep.study_page import runs_page as saved_view_page
-
     base = public_uri(uri).rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
-    return saved_view_page(base, experiment_id)
+    return study_page.runs_page(base, experiment_id)
 
 
 def client_for(uri: str):
@@ -287,8 +285,6 @@ def sync(results: Path, study: str, uri: str | None = None) -> SyncReport:
     results = Path(results)
     uri = uri or default_uri(results)
     report = SyncReport()
-    from sweep import study_page  # what the UI shows of the study
-
     with sync_lock(results):
         client, experiment_id, parent_id = open_study(results, study, uri)
         report.parent_run_id, report.runs_page = parent_id, runs_page(uri, experiment_id)

@@ -215,7 +215,7 @@ def test_the_study_is_one_click_away_in_a_real_server(tmp_path, server):
     link opens filters the grid points, which carry their key metrics; the parent run's note is the
     results table, and its artifacts hold the tables and figures."""
     from sweep.report import report
-    from sweep.tracking import GRID_POINTS
+    from sweep.study_page import GRID_POINTS
 
     uri = f"http://127.0.0.1:{server}"
     results = write_study(tmp_path / "results")
