@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from sweep import sync_records
+from sweep import study_page, sync_records
 from sweep.axes import flatten
 from sweep.runs import RunRecord
 from trainer.run_files import METRICS, OBJECTIVE
@@ -100,7 +100,7 @@ def coordinate_tags(record: RunRecord) -> dict[str, str]:
 
 
 def wanted_tags(record: RunRecord) -> dict[str, str]:
-    return coordinate_tags(record) | {TAG_LABEL: record.label}
+    return coordinate_tags(record) | {TAG_LABEL: record.label} | study_page.grid_point_tags(record)
 
 
 def _params(record: RunRecord):

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from sweep import sync_records
+from sweep import study_page, sync_records  # study_page: what the UI shows of the study
 from sweep.run_sync import TAG_ROLE, TAG_STUDY, Store, SyncReport, active_run, claim_run, find_runs, sync_run
 from sweep.runs import load_runs, study_axes
 from trainer.run_files import COMPLETE
@@ -35,7 +35,6 @@ def default_uri(results: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(results).resolve() / 'mlflow.db'}"
 
 
-GRID_POINTS = f"tags.`{TAG_ROLE}` = 'grid-point'"
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
 
 
@@ -66,14 +65,11 @@ def _check_access(error: Exception, uri: str) -> None:
 
 
 def runs_page(uri: str, experiment_id: str) -> str:
-    """The MLflow UI page that compares the study's runs: every grid point as a row, metrics as
-    columns. The experiment's own link opens on one collapsed parent row (or, in MLflow 3's UI, on
-    a GenAI overview); with a search filter the UI lists the children themselves. A local store
-    has no server: the page is where `mlflow ui --backend-store-uri <uri>` serves it."""
-    from urllib.parse import quote
-
+    """The MLflow UI page that compares the study's runs: every grid point as a row, the columns that
+    matter (sweep.study_page). A local store has no server: the page is where
+    `mlflow ui --backend-store-uri <uri>` serves it."""
     base = public_uri(uri).rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
-    return f"{base}/#/experiments/{experiment_id}/runs?searchFilter={quote(GRID_POINTS, safe='')}"
+    return study_page.runs_page(base, experiment_id)
 
 
 def client_for(uri: str):
@@ -203,6 +199,8 @@ def sync(results: Path, study: str, uri: str | None = None, runs: list[Path] | N
                 in_flight.popleft()()
         while in_flight:
             in_flight.popleft()()
+        if everything or report.runs_created:  # the track job, or a follower whose run is new: not per round
+            study_page.publish_views(store.client, store.experiment_id, records)
     except Exception as error:  # noqa: BLE001 - the server went away mid-sync: one error that says so
         _check_access(error, uri)
         _check_reachable(error, uri)

@@ -225,11 +225,11 @@ def test_sync_into_a_real_mlflow_server_checked_through_its_rest_api(tmp_path, s
 
 
 def test_the_study_is_one_click_away_in_a_real_server(tmp_path, server):
-    """What the UI can show, checked through the REST API the UI itself calls: the runs page's
-    search filter lists the grid points with their key metrics, the parent run's note is the results
-    table, and its artifacts hold the tables and figures."""
+    """What the UI can show, checked through the REST API the UI itself calls: the saved view that the
+    link opens filters the grid points, which carry their key metrics; the parent run's note is the
+    results table, and its artifacts hold the tables and figures."""
     from sweep.report import report
-    from sweep.tracking import GRID_POINTS
+    from sweep.study_page import GRID_POINTS
 
     uri = f"http://127.0.0.1:{server}"
     results = write_study(tmp_path / "results")
@@ -238,8 +238,12 @@ def test_the_study_is_one_click_away_in_a_real_server(tmp_path, server):
     experiment = rest(server, "experiments/get-by-name?experiment_name=klstudy/clicked")["experiment"]
     experiment_id = experiment["experiment_id"]
     assert synced.runs_page == (f"{uri}/#/experiments/{experiment_id}/runs"
-                                "?searchFilter=tags.%60klstudy.role%60%20%3D%20%27grid-point%27")
+                                "?viewStateShareKey=klstudy-grid-points&workflowType=machine_learning")
     assert {"key": "mlflow.experimentKind", "value": "custom_model_development"} in experiment["tags"]
+    view = json.loads({t["key"]: t["value"] for t in experiment["tags"]}["mlflow.sharedViewState.klstudy-grid-points"])
+    state = json.loads(view["state"])  # what the link opens (tests/test_mlflow_ui.py: what it shows)
+    assert state["searchFilter"] == GRID_POINTS and state["selectedColumns"][-2:] == [
+        "metrics.`eval/all/math500/pass_at_1`", "metrics.`reward_mean`"]
     with urllib.request.urlopen(f"{uri}/", timeout=10) as page:  # the page the URL's fragment opens in
         assert page.status == 200 and b"<html" in page.read().lower()
     shown = rest(server, "runs/search", {"experiment_ids": [experiment_id], "filter": GRID_POINTS,
