@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.klstudy-installed
 VLLM_STAMP := $(VENV)/.klstudy-vllm-installed
 
-.PHONY: setup setup-vllm study study-offpolicy test
+.PHONY: setup setup-vllm study study-offpolicy study-peers test
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ study: $(STAMP)
 # The off-policy study at toy scale (README, "What the toy off-policy study shows").
 study-offpolicy: $(STAMP)
 	$(BIN)/snakemake --profile profiles/local --configfile workflow/config/toy_offpolicy.yaml
+
+# The RL libraries' default KL configurations side by side at toy scale (README, "What the presets study shows").
+study-peers: $(STAMP)
+	$(BIN)/snakemake --profile profiles/local --configfile workflow/config/toy_peers.yaml
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -103,3 +103,23 @@ def test_a_run_asking_for_vllm_where_it_is_missing_fails_before_training(toy_mod
     assert done.returncode != 0 and "rollout.engine: vllm is not installed" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_engine_that_fails_to_start_gives_the_process_its_environment_back(toy_model, tmp_path):
+    """What the engine and vLLM set for a start (RANK, LOCAL_RANK, MASTER_PORT, LD_PRELOAD...) must not
+    outlive a failed start: left behind, they made every later trainer and Snakemake child of the
+    process a distributed rank (CI: one failed engine, then five study tests failed)."""
+    require_vllm()
+    import os
+
+    from trainer.distributed import World, full_parameters
+    from trainer.models import load_model, load_tokenizer
+    from trainer.rollout.vllm import VLLMEngine
+
+    model, tokenizer = load_model(str(toy_model)), load_tokenizer(str(toy_model))
+    (tmp_path / "not-a-model").mkdir()
+    before = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    with pytest.raises(ValueError):  # vLLM's config validation: no config.json there
+        VLLMEngine(str(tmp_path / "not-a-model"), model, tokenizer, run_config.RolloutConfig(), World(),
+                   weights=lambda: full_parameters(model))
+    assert {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"} == before

@@ -29,7 +29,11 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
         "objective really computes (exact enumeration) and where training with it converges.",
     )
     p.add_argument("--out", type=Path, help="directory for CSV, JSON, Markdown and the PNG plot")
-    p.add_argument("--skip-convergence", action="store_true", help="run only the gradient audit")
+    p.add_argument("--skip-convergence", action="store_true",
+                   help="run only the exact audits (no training of tabular policies)")
+    p.add_argument("--presets", action="store_true",
+                   help="audit only each library's default KL configuration (trainer.presets): what its KL "
+                   "gradient is, on-policy and off-policy")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show progress bars (default: when stderr is a terminal)")
     g = p.add_argument_group("gradient audit")
@@ -53,17 +57,29 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from trainer import audit, convergence
+    from trainer import audit, convergence, moving_targets, peers_audit
 
     if args.vocab ** (args.length * args.group_size) > 200_000:
         raise ValueError(
             f"--vocab {args.vocab} --length {args.length} --group-size {args.group_size} means "
             f"{args.vocab ** (args.length * args.group_size):,} groups to enumerate; keep it under 200,000"
         )
+    setup = {"vocab": args.vocab, "length": args.length, "group_size": args.group_size, "seeds": list(args.seeds),
+             "beta": args.beta}
+    if args.presets:
+        rows = peers_audit.presets_audit(args.vocab, args.length, args.group_size, tuple(args.seeds), args.beta,
+                                         args.tol, progress=args.progress)
+        _write_audit(args.out, "presets_audit", peers_audit.records(rows),
+                     peers_audit.presets_markdown(rows, setup), setup)
+        return 0
     grad = audit.gradient_audit(args.vocab, args.length, args.group_size, tuple(args.seeds), args.beta,
                                 args.advantage, args.tol, progress=args.progress, clip_ratio_c=args.clip_ratio_c)
     print(audit.gradient_table_markdown(grad))
-    conv = None
+    additions = peers_audit.additions_audit(args.vocab, args.length, args.group_size, tuple(args.seeds), args.beta,
+                                            args.tol, progress=args.progress)
+    print()
+    print(peers_audit.additions_markdown(additions, setup))
+    conv = moving = None
     if not args.skip_convergence:
         conv = convergence.convergence_audit(
             args.vocab, args.length, args.conv_group_size, args.conv_groups, args.conv_steps,
@@ -71,6 +87,12 @@ def _run_audit(args: argparse.Namespace) -> int:
             progress=args.progress)
         print()
         print(convergence.convergence_table_markdown(conv))
+        moving = moving_targets.moving_targets_audit(args.vocab, args.length, args.conv_group_size, args.conv_groups,
+                                                  args.conv_steps, args.conv_beta, args.conv_lr, seed=args.conv_seed,
+                                                  progress=args.progress)
+        moving_setup = {**setup, "steps": args.conv_steps, "beta": args.conv_beta, "seed": args.conv_seed}
+        print()
+        print(moving_targets.moving_targets_markdown(moving, moving_setup))
     if args.out is not None:
         out: Path = args.out
         out.mkdir(parents=True, exist_ok=True)
@@ -88,14 +110,35 @@ def _run_audit(args: argparse.Namespace) -> int:
                 {"setup": conv.setup, "final": conv.final, "steps": conv.steps, "curves": conv.curves}, indent=2))
             (out / "convergence.md").write_text(convergence.convergence_table_markdown(conv) + "\n")
             convergence.plot_convergence(conv, out / "convergence.png")
+        _write_audit(out, "peers_audit", peers_audit.records(additions),
+                     peers_audit.additions_markdown(additions, setup), setup, print_table=False)
+        if moving is not None:
+            _write_audit(out, "moving_targets", peers_audit.records(moving),
+                         moving_targets.moving_targets_markdown(moving, moving_setup), moving_setup, print_table=False)
         log.info("audit written to %s", out)
-    disagreements = [r for r in grad.rows if r.agrees is False]
+    disagreements = [f"{r.estimator} {r.placement} ({r.kl_loss_ratio}): {r.verdict}, theory {r.theory}"
+                     for r in grad.rows if r.agrees is False]
+    disagreements += [f"{r.label} ({r.sampling}): {r.verdict}, theory {r.theory}"
+                      for r in additions if r.agrees is False]
     if disagreements:
-        names = "; ".join(f"{r.estimator} {r.placement} ({r.kl_loss_ratio}): {r.verdict}, theory {r.theory}"
-                          for r in disagreements)
+        names = "; ".join(disagreements)
         log.error("the objective disagrees with KL_THEORY.md: %s", names)
         return 1
     return 0
+
+
+def _write_audit(out: Path | None, name: str, records: list[dict[str, object]], markdown: str,
+                 setup: dict[str, object], print_table: bool = True) -> None:
+    """Print an audit's Markdown table and, with --out, write it as CSV, JSON and Markdown."""
+    if print_table:
+        print(markdown)
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    _write_records(out / f"{name}.csv", records)
+    (out / f"{name}.json").write_text(json.dumps({"setup": setup, "rows": records}, indent=2))
+    (out / f"{name}.md").write_text(markdown + "\n")
+    log.info("%s written to %s", name, out)
 
 
 def _key_values(items: list[str], what: str) -> dict[str, object]:

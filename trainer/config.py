@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from trainer import presets
 from trainer.choices import ENGINES, HF_DECODINGS, LR_SCHEDULES, MIXED_PRECISIONS, TASK_NAMES
 from trainer.objective_config import ObjectiveConfig
 
@@ -182,6 +183,10 @@ def _section(cls: type, data: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     _reject_unknown(cls, data, prefix)
+    if cls is ObjectiveConfig and data.get("preset") is not None:  # the preset's values under the keys given
+        if data["preset"] not in presets.REGISTRY:
+            raise ConfigError(f"objective.preset: {data['preset']!r} is not one of {', '.join(presets.NAMES)}")
+        data = presets.expand(data)
     values = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in data.items()}
     try:
         return cls(**values)
@@ -244,6 +249,9 @@ def validate(config: RunConfig) -> None:
     if config.objective.needs_full_kl and t.logprob_chunk == 0:
         raise ConfigError(f"train.logprob_chunk: estimator {config.objective.estimator} computes the KL over the "
                           "vocabulary a chunk of tokens at a time; set a chunk > 0 (0 would build [B, T, V] logits)")
+    if config.objective.entropy_coef and t.logprob_chunk == 0:
+        raise ConfigError("train.logprob_chunk: objective.entropy_coef computes the exact entropy a chunk of tokens "
+                          "at a time; set a chunk > 0 (0 would build [B, T, V] logits)")
     if t.prompts_per_step % t.minibatches:
         raise ConfigError(f"train.minibatches: {t.minibatches} does not divide prompts_per_step "
                           f"{t.prompts_per_step} (minibatches hold whole groups)")

@@ -161,7 +161,11 @@ class VLLMEngine:
         if config.vllm_max_model_len:
             kwargs["max_model_len"] = config.vllm_max_model_len
         log.info("vLLM %s on the %s (sleep mode %s)", vllm.__version__, device, "on" if self.sleep else "off")
-        self.llm = vllm.LLM(**kwargs)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except BaseException:
+            self._restore_environ()  # a start that fails leaves the process as it found it, too
+            raise
         self.stale, self.asleep = False, False
         if self.sleep:
             self._fall_asleep()
@@ -175,6 +179,9 @@ class VLLMEngine:
         finalizer at exit, the shutdown would tear down its process groups after the trainer has
         destroyed the default one they belong to, and fail there."""
         self.llm.llm_engine.engine_core.shutdown()
+        self._restore_environ()
+
+    def _restore_environ(self) -> None:
         for name in set(os.environ) - set(self._environ_before):
             del os.environ[name]
         os.environ.update(self._environ_before)
