@@ -64,7 +64,7 @@ def resolve(name_or_path: str) -> tuple[str, bool]:
     """
     problem = model_source.local_problem(name_or_path)
     if problem is not None:
-        raise ModelNotFoundError(f"model {problem}")
+        raise ModelNotFoundError(f"model path {problem}")
     if model_source.is_local(name_or_path):
         return str(Path(name_or_path).expanduser()), True
     if model_source.in_hub_cache(name_or_path):
