@@ -258,14 +258,7 @@ def _run_pass_rate(args: argparse.Namespace) -> int:
 
     if args.problems < 1:
         raise ValueError(f"--problems: must be >= 1, got {args.problems}")
-    import yaml
-
-    grid = {}
-    for item in args.grid:
-        key, sep, values = item.partition("=")
-        if not sep or not key or not values:
-            raise ValueError(f"--grid {item!r}: expected KEY=V1,V2,...")
-        grid[key] = [yaml.safe_load(value) for value in values.split(",")]
+    grid = pass_rate.parse_grid(args.grid)
     params = SamplingParams(n=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     rows = pass_rate.run(args.model, args.task, _key_values(args.option, "--option"), grid, args.problems, params,
                          args.seed, args.chat_template, args.engine, args.device, args.dtype)

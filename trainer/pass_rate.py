@@ -78,6 +78,19 @@ def _sequence_kl(models: tuple[Any, Any], rollouts, pad_id: int, params: Samplin
     return sequence_kl(policy, reference, rollouts, pad_id, device, params.max_new_tokens)
 
 
+def parse_grid(items: list[str]) -> dict[str, list[Any]]:
+    """`KEY=V1,V2,...` strings (values read as YAML) as {KEY: [V1, V2, ...]}."""
+    import yaml
+
+    grid = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not key or not values:
+            raise ValueError(f"--grid {item!r}: expected KEY=V1,V2,...")
+        grid[key] = [yaml.safe_load(value) for value in values.split(",")]
+    return grid
+
+
 def grid_points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """Every combination of the grid's option values, the first option varying slowest."""
     names = list(grid)
