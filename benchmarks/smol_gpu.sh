@@ -48,7 +48,7 @@ stash)
     cp "$CARRY/$GGUF.part0" "$CARRY"/gguf-*.whl "$WORK"/
     $PY -m zipfile -e "$WORK"/gguf-*.whl "$WORK/site"
     $PY -c "import torch, transformers, gguf; print(torch.__version__, transformers.__version__, gguf.__file__)"
-    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
     nproc; free -g | head -2; df -h "$WORK" | tail -1
     ;;
 train)
