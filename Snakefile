@@ -1,22 +1,28 @@
 """klstudy's study DAG: prepare -> train (one job per grid point) -> evaluate -> track -> report.
 
-The study config (default workflow/config/toy.yaml; another with --configfile) is validated twice
-before any job starts: by workflow/config/schema.yaml, then by sweep.grid, which also validates
-every run's trainer config. Every rule calls a package CLI, so each job is a command a person can
-run by hand. The run directories are the state: re-running the same command finishes only what
-is missing, and a training job resumes from its newest checkpoint.
+The study config (default workflow/config/toy.yaml; another with --configfile) is checked whole
+before any job starts (sweep.study_check): by sweep.grid, which also validates every run's trainer
+config, then by workflow/config/schema.yaml, then against this machine (model paths, devices against
+GPUs); each error is one line that names the key. A dry run (-n) also prints the plan (sweep.plan):
+each job's resources and sbatch options, and where each run starts. Every rule calls a package CLI,
+so each job is a command a person can run by hand. The run directories are the state: re-running
+the same command finishes only what is missing, and a training job resumes from its newest
+checkpoint.
 """
 
 import json
+import os
 import re
 import shlex
 import sys
 from pathlib import Path
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 from sweep import study_lock
-from sweep.grid import StudyError, load_study
+from sweep.grid import StudyError
+from sweep.plan import plan
+from sweep.study_check import check_study, preflight
 from trainer.launch import train_command
 
 min_version("9.0")
@@ -28,11 +34,15 @@ if not workflow.config_settings.configfiles:
     configfile: "workflow/config/toy.yaml"
 
 
-validate(config, "workflow/config/schema.yaml")
 try:
-    STUDY = load_study(config)
+    STUDY = check_study(config, Path(workflow.basedir) / "workflow" / "config" / "schema.yaml")
+    NOTES = preflight(STUDY) if workflow.is_main_process else []
 except StudyError as error:
     raise WorkflowError(f"study config: {error}") from None
+for line in NOTES:
+    print(line, file=sys.stderr)
+if workflow.is_main_process and workflow.output_settings.dryrun:
+    print("\n".join(plan(STUDY, sys.argv, os.environ)))
 
 # A lock left by a snakemake killed hard is released here, before Snakemake locks (sweep.study_lock).
 if workflow.is_main_process:

@@ -14,7 +14,7 @@ under the same weights; this prints their medians over the steps, per setting:
 
 Settings (--settings, comma-separated): fp32 (float32 everywhere), bf16 (model.dtype bfloat16:
 engine and trainer both compute in bfloat16, the engine with its KV cache), mixed (float32 weights,
-train.mixed_precision bf16: the trainer computes in bfloat16, the hf engine in float32), vllm (the
+train.mixed_precision bf16: the trainer and the hf engine compute under bf16 autocast), vllm (the
 vLLM engine, float32), vllm-bf16 (vLLM in bfloat16, the trainer in bfloat16 too). The last line is
     mismatch_kl <setting>=<value> ...
 

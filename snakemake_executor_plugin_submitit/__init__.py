@@ -6,7 +6,11 @@ from typing import Optional
 
 from snakemake_interface_executor_plugins.settings import CommonSettings, ExecutorSettingsBase
 
+from snakemake_executor_plugin_submitit import config_errors
 from snakemake_executor_plugin_submitit.executor import Executor
+
+# Snakemake imports this module before it reads --configfile: a YAML error then names its position.
+config_errors.install()
 
 __all__ = ["Executor", "ExecutorSettings", "common_settings"]
 

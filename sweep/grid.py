@@ -285,9 +285,14 @@ def _data(raw: Any) -> dict[str, dict[str, Any]]:
 def _evaluate(raw: Any, data: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from eval.suites import NEEDS_DATA, SUITES, TASKS, expand
 
+    if raw is None or "suites" not in mapping(raw, "evaluate"):
+        # No default: the paper's suites need MATH^2 data that only the study can name, the toy's its own data.
+        raise StudyError(f"{'evaluate' if raw is None else 'evaluate.suites'}: required (the suites or tasks to "
+                         f"evaluate every final model on: suites {', '.join(SUITES)}; tasks {', '.join(TASKS)}; "
+                         "for example evaluate: {suites: [toy], data: {arith: <a data entry>}})")
     spec = mapping(raw, "evaluate")
     known(spec, EVAL_KEYS, "evaluate")
-    merged = {"suites": ["in_domain", "out_of_domain"], "samples": 1, "limit": None, "every": 0, "batch_size": 8,
+    merged = {"samples": 1, "limit": None, "every": 0, "batch_size": 8,
               "max_gen_toks": None, "temperature": 1.0, "top_p": 1.0, "backend": "hf", "data": {}, **spec}
     merged["suites"] = listed(merged["suites"])
     for i, suite in enumerate(merged["suites"]):

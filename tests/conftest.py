@@ -1,12 +1,16 @@
 """Shared fixtures: a toy model and a warmed-up toy model, built once per test session; a pair of
-float64 models a little apart; SmolLM2-135M-Instruct, a real model, imported once into the cache."""
+float64 models a little apart; a model whose tokens are confident, with completions it sampled;
+SmolLM2-135M-Instruct, a real model, imported once into the cache."""
 
 import copy
 
 import pytest
 import torch
+import transformers
 
+from trainer.logprobs import pack
 from trainer.models import ToyModelSpec, build_toy_model, load_model
+from trainer.rollout.base import Rollouts
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +56,26 @@ def model_and_perturbed_copy(toy_model):
         for parameter in moved.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
     return model, moved
+
+
+@pytest.fixture(scope="session")
+def confident_model():
+    """A one-layer Llama (vocabulary 8,000, hidden size 32) that repeats its input token with probability
+    about 0.99 (top logits near 17; its output layer is its embedding, scaled), and a packed batch of
+    8 completions of 64 tokens it sampled: 512 positions where bf16 rounding of the logits is largest
+    against 1 - p. Shared by the session: copy it before changing it."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=8000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(generator=gen)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight * (15 / 32))
+        ids = torch.randint(8000, (8, 1), generator=gen)
+        for _ in range(64):
+            probs = torch.softmax(model(ids).logits[:, -1], dim=-1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], dim=1)
+    rollouts = Rollouts([[int(i)] for i in ids[:, 0]], ids[:, 1:].tolist(), [[0.0] * 64] * 8, [""] * 8,
+                        ["length"] * 8, 1)
+    return model, pack(rollouts, pad_id=0)

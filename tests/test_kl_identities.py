@@ -8,7 +8,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from rounding import assert_equal_to_rounding
 
+from trainer import config as run_config
 from trainer import estimators, kl, tabular
 from trainer.audit import (
     AuditInstance,
@@ -22,6 +24,7 @@ from trainer.audit import (
     variance,
 )
 from trainer.objective import ObjectiveConfig, compute_loss
+from trainer.rollout.hf import sampling_logprobs
 
 TOL = 1e-6
 BETA = 0.1
@@ -296,7 +299,10 @@ def test_group_gradients_are_the_exact_distribution_of_one_groups_gradient(off_p
     inst = AuditInstance.random(3, 2, seed=0)
     config = replace(BASE, estimator="k3", placement="reward+loss")
     grads, weights = group_gradients(inst, config, 2, off_policy)
-    assert len(weights) == 81 and float(weights.sum()) == pytest.approx(1.0, abs=1e-12)
+    # each weight the exp of a sum of 2 x 2 token log-probs (none larger than token_logp); 81 weights summed
+    token_logp = float(inst.space.token_logp(inst.behaviour_logits if off_policy else inst.logits).abs().max())
+    assert len(weights) == 81
+    assert_equal_to_rounding(weights.sum(), 1.0, max(1.0, token_logp), count=81 + 2 * 2 + 1)
     assert rel_error(expectation(grads, weights), expected_gradient(inst, config, 2, off_policy)) < 1e-12
     flat = grads.flatten(1)
     exact = variance(grads, weights)
@@ -318,10 +324,11 @@ def test_prefix_probabilities_sum_to_one_per_depth():
     space = tabular.SequenceSpace(3, 3)
     logits = space.random_logits(torch.Generator().manual_seed(0))
     reach = space.prefix_probs(logits)
-    assert torch.allclose(reach[0], torch.tensor(1.0, dtype=torch.float64))
-    assert torch.allclose(reach[1:4].sum(), torch.tensor(1.0, dtype=torch.float64))
-    assert torch.allclose(reach[4:13].sum(), torch.tensor(1.0, dtype=torch.float64))
-    assert torch.allclose(space.seq_logp(logits).exp().sum(), torch.tensor(1.0, dtype=torch.float64))
+    size = float(torch.log_softmax(logits, -1).abs().max())  # products of softmaxes of these logits
+    assert reach[0] == 1.0
+    assert_equal_to_rounding(reach[1:4].sum(), 1.0, size, count=3 + 1)
+    assert_equal_to_rounding(reach[4:13].sum(), 1.0, size, count=9 + 2)
+    assert_equal_to_rounding(space.seq_logp(logits).exp().sum(), 1.0, size, count=27 + 3 + 1)
 
 
 def test_a_new_estimator_is_one_registration_that_the_config_the_trainer_and_the_audit_pick_up(monkeypatch):
@@ -366,3 +373,30 @@ def test_full_kl_terms_take_the_ratio_of_their_prefix_alone_exact_and_less_noisy
     through_t, variance_through_t = kl_part_and_variance()
     assert rel_error(before_t, targets["unbiased"]) < 1e-10 and rel_error(through_t, targets["unbiased"]) < 1e-10
     assert variance_before_t < 0.95 * variance_through_t
+
+
+@pytest.mark.parametrize("config", [
+    replace(BASE, estimator="k1", placement="reward"),
+    replace(BASE, estimator="k3", placement="reward+loss", kl_loss_ratio="sequence", **SEQUENCE),
+], ids=["k1-reward", "k3-reward+loss-sequence-weights"])
+def test_top_p_sampling_biases_every_gradient_whatever_the_behaviour_policy(config):
+    """Samples from the nucleus of pi (top-p 0.7, as the hf engine draws them): taken for pi's (strictly
+    on-policy, the ratio 1) or weighted by the truncated log-probs as the behaviour policy's (token or
+    sequence ratios), neither the policy gradient nor the KL part is the true one. A weight cannot bring
+    back the sequences the sampler never draws: why rollout.top_p < 1 is a config error."""
+    inst = AuditInstance.random(3, 2, seed=0)
+    targets = target_gradients(inst)
+    base = replace(BASE, pg_ratio=config.pg_ratio)
+    for top_p, biased in ((1.0, False), (0.7, True)):
+        sampled = replace(inst, behaviour_logits=sampling_logprobs(inst.logits, 1.0, top_p))
+        for reading in ({"off_policy": False, "engine_mismatch": True}, {"off_policy": True}):
+            pg = expected_gradient(sampled, base, 2, **reading)
+            kl_grad = (expected_gradient(sampled, config, 2, **reading) - pg) / BETA
+            errors = rel_error(pg, -targets["reward"]), rel_error(kl_grad, targets["unbiased"])
+            assert min(errors) > 0.2 if biased else max(errors) < 1e-10, (top_p, reading, errors)
+
+
+def test_top_p_below_one_is_a_config_error():
+    with pytest.raises(run_config.ConfigError, match=r"rollout.top_p: 0.7 < 1 samples from the nucleus .*docs/top_p"):
+        run_config.load(None, ["model.path=any", "rollout.top_p=0.7"])
+    assert run_config.load(None, ["model.path=any", "rollout.top_p=1.0"]).rollout.top_p == 1.0

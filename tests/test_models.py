@@ -72,6 +72,7 @@ def test_hub_ids_load_offline_from_the_local_cache(toy_model, tmp_path):
     missing = _run_offline("from trainer.models import resolve\nresolve('klstudy/absent')", cache)
     assert missing.returncode != 0
     assert "neither a local directory nor in the Hugging Face cache, and HF_HUB_OFFLINE is set" in missing.stderr
+    assert "download it first (hf download klstudy/absent)" in missing.stderr  # huggingface_hub's CLI is `hf`
 
 
 def test_fetch_model_checks_local_and_cached_models(toy_model, tmp_path):

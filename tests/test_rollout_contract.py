@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from rounding import logprob_rounding
 from vllm_required import require_vllm
 
 from trainer.logprobs import completion_logprobs, pack
@@ -91,7 +92,7 @@ def test_behaviour_logprobs_are_the_trainers_at_temperature_one(setup):
     with torch.no_grad():
         trainer_logp, _ = completion_logprobs(model, batch)
     diff = ((trainer_logp - batch.behaviour_logp) * batch.completion_mask).abs().max()
-    assert diff < 1e-4
+    assert diff <= logprob_rounding(model)
 
 
 def test_behaviour_logprobs_follow_temperature_and_top_p(setup):
@@ -100,14 +101,14 @@ def test_behaviour_logprobs_follow_temperature_and_top_p(setup):
     batch = pack(hot, tokenizer.pad_token_id)
     with torch.no_grad():
         at_temperature, _ = completion_logprobs(model, batch, temperature=0.7)
-    assert ((at_temperature - batch.behaviour_logp) * batch.completion_mask).abs().max() < 1e-4
+    assert ((at_temperature - batch.behaviour_logp) * batch.completion_mask).abs().max() <= logprob_rounding(model)
     nucleus = _generate(setup, n=2, max_new_tokens=8, top_p=0.3)
     batch = pack(nucleus, tokenizer.pad_token_id)
     with torch.no_grad():
         full, _ = completion_logprobs(model, batch)
     mask = batch.completion_mask.bool()
     # sampled from the renormalised nucleus: every kept token is at least as likely there
-    assert (batch.behaviour_logp[mask] >= full[mask] - 1e-5).all()
+    assert (batch.behaviour_logp[mask] >= full[mask] - logprob_rounding(model)).all()
     assert (batch.behaviour_logp[mask] > full[mask] + 1e-3).any()
 
 
@@ -156,7 +157,7 @@ def test_eos_is_kept_in_the_tokens_and_dropped_from_the_text_after_a_weight_sync
         batch = pack(r, tokenizer.pad_token_id)
         with torch.no_grad():
             trainer_logp, _ = completion_logprobs(model, batch)
-        assert ((trainer_logp - batch.behaviour_logp) * batch.completion_mask).abs().max() < 1e-4
+        assert ((trainer_logp - batch.behaviour_logp) * batch.completion_mask).abs().max() <= logprob_rounding(model)
     ended = [t for t, reason in zip(r.token_ids, r.finish_reasons, strict=True) if reason == "stop"]
     assert ended and all(t[-1] == tokenizer.eos_token_id for t in ended)
     assert all(tokenizer.eos_token not in text for text in r.texts)
@@ -229,14 +230,14 @@ def test_after_a_sync_every_parameter_is_the_trainers(setup):
         try:
             engine.sync_weights()
             gap = _max_logp_gap(model, tokenizer, engine.generate(prompts, params, seeds))
-            assert gap < 1e-4, f"{name}: the engine samples from other weights than the trainer's ({gap:.3g} nats)"
+            assert gap <= logprob_rounding(model), f"{name}: the engine samples from other weights ({gap:.3g} nats)"
             moved = _max_logp_gap(model, tokenizer, before)  # what a stale engine would show
             assert moved > 1e-2, f"{name}: the change is too small to tell a stale engine ({moved:.3g})"
         finally:
             with torch.no_grad():
                 param.copy_(saved)
             engine.sync_weights()
-    assert _max_logp_gap(model, tokenizer, engine.generate(prompts, params, seeds)) < 1e-4
+    assert _max_logp_gap(model, tokenizer, engine.generate(prompts, params, seeds)) <= logprob_rounding(model)
 
 
 def test_the_same_seeds_give_the_same_rollouts(setup):
@@ -248,14 +249,14 @@ def test_the_same_seeds_give_the_same_rollouts(setup):
 
 def test_a_prompts_completions_depend_on_its_seed_alone(setup):
     """What lets processes split a batch: prompt i samples the same alone as in any batch."""
-    engine, _, _, prompts = setup
+    engine, model, _, prompts = setup
     params = SamplingParams(n=3, max_new_tokens=10)
     together = engine.generate(prompts, params, [11, 22, 33])
     for i, (prompt, seed) in enumerate(zip(prompts, [11, 22, 33], strict=True)):
         alone = engine.generate([prompt], params, [seed])
         assert alone.token_ids == together.token_ids[3 * i:3 * i + 3]
         for a, b in zip(alone.logprobs, together.logprobs[3 * i:3 * i + 3], strict=True):
-            assert a == pytest.approx(b, abs=1e-5)
+            assert a == pytest.approx(b, rel=0, abs=logprob_rounding(model))  # another batch: other rounding
     with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
         engine.generate(prompts, params, [1, 2])
 

@@ -4,10 +4,12 @@ the policy, SIGKILL, resume. Each run starts its own engine, so this is one run 
 import signal
 
 import pytest
-from run_helpers import metrics, objective, start_cli, train_cli, wait_for_lines
+from rounding import assert_same_statistic, logprob_rounding, statistic_rounding
+from run_helpers import TOY_RUN, metrics, objective, start_cli, train_cli, wait_for_lines
 from vllm_required import require_vllm
 
 from trainer.loop import COMPLETE
+from trainer.models import load_model
 
 VLLM_RUN = {"rollout.engine": "vllm", "train.async_level": 1, "train.steps": 6, "checkpoint.every": 1,
             "objective.tis_cap": 2.0, "measure.prompts": 4, "measure.samples": 4, "measure.reference_samples": 4,
@@ -30,9 +32,10 @@ def test_a_vllm_run_a_step_ahead_survives_sigkill_and_resumes(warm_model, tmp_pa
     assert [m["step"] for m in lines] == list(range(6))
     # async_level 1: step s trains on the rollouts of the policy of step s - 1 (the first two on step 0's)
     assert [m["policy_step"] for m in lines] == [0, 0, 1, 2, 3, 4]
-    for m in lines:  # vLLM samples from the trainer's weights, synced every step, in float32
-        assert m["mismatch_logp_max"] < 1e-3 and m["mismatch_kl"] < 1e-7, m
-        assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    lp = max(logprob_rounding(load_model(str(path))) for path in (warm_model, out / "final"))
+    for m in lines:  # vLLM samples from the trainer's weights, synced every step, in float32: rounding apart
+        assert m["mismatch_logp_max"] <= lp and m["mismatch_kl"] <= lp**2, m  # (k3 of d is about d^2 / 2)
+        assert m["tis_weight_mean"] == pytest.approx(1.0, abs=lp)
     assert sum(m["reward_mean"] for m in lines) / len(lines) > 0.1  # vLLM's texts reach the verifier and score
     assert (out / COMPLETE).exists()
     measured = objective(out)  # the objective measured with vLLM's samples, across the kill
@@ -50,6 +53,7 @@ def test_two_processes_each_with_its_engine_make_the_run_of_one(warm_model, tmp_
     two = train_cli(tmp_path / "two", warm_model, 2, 900, **extra)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     assert "Traceback" not in two.stderr and two.stderr.count("vLLM 0.32.0 on the cpu") == 2
+    floor = statistic_rounding(load_model(str(warm_model)), {**TOY_RUN, **extra})
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         for key in ("reward_mean", "generated_tokens", "loss", "kl_k3"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+            assert_same_statistic(f"step {a['step']}: {key}", a[key], b[key], 1e-4, floor)

@@ -72,6 +72,25 @@ def _jobs(log: str, rule: str) -> list[tuple[str, str]]:
     return found
 
 
+def planned_jobs(stdout: str) -> dict[str, int]:
+    """The jobs of each stage (prepare, train, evaluate, track, report) in a dry run's plan (sweep.plan)."""
+    jobs: dict[str, int] = {}
+    for stage, count in re.findall(r"^    (\w+)(?:, [^:]+)?: (\d+) jobs?$", stdout, re.M):
+        jobs[stage] = jobs.get(stage, 0) + int(count)
+    return jobs
+
+
+def snakemake_jobs(counts: dict[str, int]) -> dict[str, int]:
+    """Snakemake's job counts per rule (`-n --quiet rules`), summed per stage of the plan."""
+    stages = {"build_model": "prepare", "fetch_model": "prepare", "prepare_data": "prepare", "audit": "prepare"}
+    jobs: dict[str, int] = {}
+    for rule, count in counts.items():
+        stage = stages.get(rule, rule.split("_")[0])
+        if stage not in ("all", "total"):
+            jobs[stage] = jobs.get(stage, 0) + count
+    return jobs
+
+
 # --- grid expansion (no Snakemake) -----------------------------------------------------------------
 
 
@@ -174,6 +193,7 @@ def test_paper_dry_run_lists_the_full_grid(tmp_path, name, runs, checkpoint_step
     assert counts.get("evaluate_checkpoint", 0) == runs * 2 * checkpoint_steps
     assert counts["fetch_model"] == len(yaml.safe_load((REPO / "workflow" / "config" / f"{name}.yaml").read_text())
                                         ["models"])
+    assert planned_jobs(result.stdout) == snakemake_jobs(counts)  # the dry run's plan (sweep.plan) counts the same
     assert not (tmp_path / "results").exists()
     print(f"{name}.yaml dry run: {elapsed:.1f} s")
 
@@ -209,10 +229,17 @@ def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop):
                        for name in jobs_finished(first, "train")}
     assert finished_before and len(finished_before) < len(REDUCED_RUNS), first[-3000:]
 
+    # The dry run says what the same command will do: each interrupted run resumes from its checkpoint.
+    planned = snakemake(tmp_path, config, "-n")
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    for name in interrupted:
+        assert f"    {name} resumes from step 3 of 6\n" in planned.stdout, planned.stdout[:3000]
+    assert f", {sum((results / 'runs' / r / COMPLETE).exists() for r in REDUCED_RUNS)} finished\n" in planned.stdout
     second = snakemake(tmp_path, config)
     assert second.returncode == 0, second.stderr[-5000:]
-    if stop == signal.SIGKILL:
-        assert f"snakemake pid {process.pid} on" in second.stderr and "its lock, if any, is released" in second.stderr
+    if stop == signal.SIGKILL:  # the dry run, or else the same command, releases the dead holder's lock
+        released = planned.stderr + second.stderr
+        assert f"snakemake pid {process.pid} on" in released and "its lock, if any, is released" in released
     retrained = jobs_run(second.stderr, "train")
     assert sorted(retrained) == sorted(set(REDUCED_RUNS) - set(finished_before))  # only what was missing
     for name, mtime in finished_before.items():

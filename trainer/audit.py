@@ -66,6 +66,8 @@ def _group_losses(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
     sampler_logits = inst.behaviour_logits if off_policy or engine_mismatch else inst.logits
     sampler_token_logp = space.token_logp(sampler_logits)
     weights = sampler_token_logp.sum(-1)[groups].sum(-1).exp()
+    if not bool((weights > 0).all()):  # a sampler that never draws some sequences (top-p): only those it draws
+        groups, weights = groups[weights > 0], weights[weights > 0]
     mask = torch.ones(group_size, space.length, dtype=torch.float64)
     full = config.needs_full_kl
     token_kl = space.token_kl(theta, inst.ref_logits) if full else None

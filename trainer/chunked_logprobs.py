@@ -6,9 +6,16 @@ the gradient of both. Here the logits of at most `chunk` tokens exist at a time:
 keeps only each token's log-sum-exp, and the backward pass recomputes each chunk's logits from the
 saved hidden states. Values and gradients are those of the naive computation (the tests check
 both); the price is one extra matmul per chunk in the backward pass.
+
+Under autocast (bf16 mixed precision on one process) the backward pass recomputes the logits at the
+precision the forward pass computed them in (`Autocast`): autograd runs a backward outside the
+autocast region, and float32 logits against a log-sum-exp of bfloat16 ones make the probability of a
+confident token, and so its gradient 1 - p, a matter of rounding (docs/mixed_precision.md).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -30,6 +37,25 @@ def compute_dtype(hidden: Tensor) -> torch.dtype:
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
+@dataclass(frozen=True)
+class Autocast:
+    """The autocast state a custom Function's forward pass ran under, for its backward pass to run under
+    the same: what torch.amp.custom_fwd and custom_bwd do, for the device of the inputs rather than one
+    fixed where the Function is defined."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: Tensor) -> "Autocast":
+        kind = tensor.device.type
+        return cls(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+
+    def region(self) -> torch.autocast:
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk: int,
@@ -46,12 +72,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 probs = logits.sub(lse[start:end, None]).exp_()
                 entropy[start:end] = lse[start:end] - (probs * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.chunk, ctx.temperature, ctx.autocast = chunk, temperature, Autocast.of(hidden)
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):
+        with ctx.autocast.region():
+            return _ChunkedLogprobs._backward(ctx, grad_logp)
+
+    @staticmethod
+    def _backward(ctx, grad_logp: Tensor):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None

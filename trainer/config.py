@@ -258,6 +258,10 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"rollout.vllm_tensor_parallel_size: must be >= 1, got {r.vllm_tensor_parallel_size}")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+    if r.top_p < 1:
+        raise ConfigError(f"rollout.top_p: {r.top_p} < 1 samples from the nucleus of each next-token distribution, "
+                          "not from the policy, and no importance weight brings back the tokens it never draws: every "
+                          "gradient would be biased (docs/top_p.md); train with top_p 1.0 (evaluate.top_p is separate)")
     if not r.temperature > 0:
         raise ConfigError(f"rollout.temperature: must be > 0, got {r.temperature}")
 

@@ -8,7 +8,10 @@ recomputes each chunk's two log-softmaxes from the saved hidden states, working 
 three [chunk, V] buffers exist at a time. With z the policy's tempered
 logits, p = softmax(z), q the reference's, and l = log p - log q:
 
-    d KL_t / d z = p * (l - KL_t) / temperature,    d KL_t / d z_ref = (q - p) / temperature.
+    d KL_t / d z = p * (l - KL_t) / temperature,    d KL_t / d z_ref = (q - p) / temperature_ref,
+
+each model's temperature being the sampling temperature divided by its constant logit scale
+(`HeadInputs.scale`, `trainer.lean_head`).
 """
 
 from __future__ import annotations
@@ -18,56 +21,64 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer.chunked_logprobs import DEFAULT_CHUNK, _logits, compute_dtype
+from trainer.chunked_logprobs import DEFAULT_CHUNK, Autocast, _logits, compute_dtype
 
 
 @dataclass
 class HeadInputs:
     """What one model's next-token distributions at N positions are computed from:
-    log_softmax((hidden @ weight.T + bias) / temperature)."""
+    log_softmax(scale * (hidden @ weight.T + bias) / temperature)."""
 
     hidden: Tensor        # [N, H]
     weight: Tensor        # [V, H]
     bias: Tensor | None   # [V]
+    scale: float = 1.0    # the constant the model multiplies its output layer's logits by
 
 
-def _log_softmaxes(start: int, end: int, policy: tuple, reference: tuple, temperature: float) -> tuple[Tensor, Tensor]:
+def _log_softmaxes(start: int, end: int, policy: tuple, reference: tuple, temperatures: tuple[float, float]
+                   ) -> tuple[Tensor, Tensor]:
     """Both models' log-probabilities over the vocabulary at positions start:end."""
-    logp = torch.log_softmax(_logits(policy[0][start:end], policy[1], policy[2], temperature), dim=-1)
-    ref = torch.log_softmax(_logits(reference[0][start:end], reference[1], reference[2], temperature), dim=-1)
+    logp = torch.log_softmax(_logits(policy[0][start:end], policy[1], policy[2], temperatures[0]), dim=-1)
+    ref = torch.log_softmax(_logits(reference[0][start:end], reference[1], reference[2], temperatures[1]), dim=-1)
     return logp, ref
 
 
 class _ChunkedTokenKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, chunk: int, temperature: float):
+    def forward(ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, chunk: int,
+                temperatures: tuple[float, float]):
         policy, reference = (hidden, weight, bias), (ref_hidden, ref_weight, ref_bias)
         kl = torch.empty(hidden.shape[0], dtype=compute_dtype(hidden), device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
-            logp, ref = _log_softmaxes(start, start + chunk, policy, reference, temperature)
+            logp, ref = _log_softmaxes(start, start + chunk, policy, reference, temperatures)
             log_ratio = ref.neg_().add_(logp)  # in place: two [chunk, V] buffers at a time
             kl[start:start + chunk] = logp.exp_().mul_(log_ratio).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl)
-        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.chunk, ctx.temperatures, ctx.autocast = chunk, temperatures, Autocast.of(hidden)
         return kl
 
     @staticmethod
     def backward(ctx, grad_kl: Tensor):
+        with ctx.autocast.region():  # the logits at the forward pass's precision (trainer.chunked_logprobs)
+            return _ChunkedTokenKL._backward(ctx, grad_kl)
+
+    @staticmethod
+    def _backward(ctx, grad_kl: Tensor):
         hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl = ctx.saved_tensors
         policy, reference = (hidden, weight, bias), (ref_hidden, ref_weight, ref_bias)
         needs = ctx.needs_input_grad
         grads = [_zeros_if(needs[i], tensor, kl.dtype) for i, tensor in enumerate(policy + reference)]
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = start + ctx.chunk
-            logp, ref = _log_softmaxes(start, end, policy, reference, ctx.temperature)
-            g = grad_kl[start:end].to(kl.dtype)[:, None] / ctx.temperature
+            logp, ref = _log_softmaxes(start, end, policy, reference, ctx.temperatures)
+            g = grad_kl[start:end].to(kl.dtype)[:, None]
             probs = logp.exp()
             if any(needs[3:6]):  # first: the policy's term below overwrites logp and ref in place
-                grad_ref_logits = ref.exp().sub_(probs).mul_(g)
+                grad_ref_logits = ref.exp().sub_(probs).mul_(g / ctx.temperatures[1])
                 _accumulate(grads[3:6], needs[3:6], grad_ref_logits, reference, start, end)
                 del grad_ref_logits
             if any(needs[:3]):
-                grad_logits = logp.sub_(ref).sub_(kl[start:end, None]).mul_(probs).mul_(g)
+                grad_logits = logp.sub_(ref).sub_(kl[start:end, None]).mul_(probs).mul_(g / ctx.temperatures[0])
                 del ref, probs
                 _accumulate(grads[:3], needs[:3], grad_logits, policy, start, end)
         out = [None if grad is None else grad.to(tensor.dtype)
@@ -104,11 +115,12 @@ def token_kl(policy: HeadInputs, reference: HeadInputs, temperature: float = 1.0
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     return _ChunkedTokenKL.apply(policy.hidden, policy.weight, policy.bias, reference.hidden, reference.weight,
-                                 reference.bias, chunk, temperature)
+                                 reference.bias, chunk, (temperature / policy.scale, temperature / reference.scale))
 
 
 def token_kl_naive(policy: HeadInputs, reference: HeadInputs, temperature: float = 1.0) -> Tensor:
     """The same from the whole [N, V] logits at once (for tests and the memory benchmark)."""
-    logp = torch.log_softmax(_logits(policy.hidden, policy.weight, policy.bias, temperature), dim=-1)
-    ref = torch.log_softmax(_logits(reference.hidden, reference.weight, reference.bias, temperature), dim=-1)
+    logp = torch.log_softmax(_logits(policy.hidden, policy.weight, policy.bias, temperature / policy.scale), dim=-1)
+    ref = torch.log_softmax(_logits(reference.hidden, reference.weight, reference.bias, temperature / reference.scale),
+                            dim=-1)
     return (logp.exp() * (logp - ref)).sum(-1)

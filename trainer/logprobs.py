@@ -12,6 +12,7 @@ import torch
 
 from trainer.chunked_logprobs import DEFAULT_CHUNK, compute_dtype, token_logprobs
 from trainer.full_kl import HeadInputs, token_kl
+from trainer.lean_head import LeanHead, lean_head
 from trainer.rollout.base import Rollouts
 
 
@@ -76,21 +77,23 @@ class CompletionLogprobs(torch.nn.Module):
     def __init__(self, lm, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK) -> None:
         super().__init__()
         self.lm, self.temperature, self.chunk = lm, temperature, chunk
+        self.head = lean_head(lm) if chunk else None  # checked once, while the LM is whole (before FSDP)
 
     def forward(self, batch: PackedBatch, with_entropy: bool = False,
                 whole_vocabulary: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log pi(token) of every completion token ([B, T], float32 or the LM's wider dtype, 0 on padding)
         and, optionally, the entropy of each token's distribution (detached).
 
-        With chunk > 0 (and an LM whose logits are a plain linear head over its last hidden states),
-        the logits of at most `chunk` tokens exist at a time (`trainer.chunked_logprobs`), and only
-        for completion tokens; chunk = 0 computes all of them at once, the naive way.
+        With chunk > 0 (and an LM whose logits are a linear layer over its last hidden states, times a
+        constant: `trainer.lean_head`), the logits of at most `chunk` tokens exist at a time
+        (`trainer.chunked_logprobs`), and only for completion tokens; chunk = 0 computes all of them at
+        once, the naive way.
         With `whole_vocabulary`, the first result is instead log pi of every vocabulary entry at every
         completion position ([B, T, V]; callers bound B x T x V), for full-distribution quantities."""
-        model, temperature, chunk = self.lm, self.temperature, self.chunk
+        model, temperature = self.lm, self.temperature
         length = batch.completion_ids.shape[1]
         inputs = self._inputs(batch)
-        head = _linear_head(model) if chunk and not whole_vocabulary else None
+        head = None if whole_vocabulary else self.head
         if head is None:
             out = model(**inputs, logits_to_keep=length + 1)
             # position P-1+t predicts completion token t
@@ -130,24 +133,23 @@ class CompletionLogprobs(torch.nn.Module):
         return dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
                     use_cache=False)
 
-    def _head(self) -> torch.nn.Linear:
-        head = _linear_head(self.lm) if self.chunk else None
-        if head is None:
+    def _head(self) -> LeanHead:
+        if self.head is None:
             raise ValueError("the full-vocabulary KL needs train.logprob_chunk > 0 and a model whose logits are a "
-                             "linear layer over its last hidden states")
-        return head
+                             "linear layer over its last hidden states, times a constant (trainer.lean_head)")
+        return self.head
 
-    def _completion_states(self, batch: PackedBatch, inputs: dict, head: torch.nn.Linear) -> HeadInputs:
+    def _completion_states(self, batch: PackedBatch, inputs: dict, head: LeanHead) -> HeadInputs:
         length = batch.completion_ids.shape[1]
         hidden = self.lm.base_model(**inputs).last_hidden_state
         hidden = hidden[:, batch.prompt_width - 1:batch.prompt_width - 1 + length]  # position P-1+t predicts t
-        return HeadInputs(hidden[batch.completion_mask.bool()], head.weight, head.bias)
+        return HeadInputs(hidden[batch.completion_mask.bool()], head.layer.weight, head.layer.bias, head.scale)
 
     def _token_logprobs(self, batch: PackedBatch, states: HeadInputs, with_entropy: bool
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         mask = batch.completion_mask.bool()
         flat, flat_entropy = token_logprobs(states.hidden, states.weight, states.bias, batch.completion_ids[mask],
-                                            self.temperature, self.chunk, with_entropy)
+                                            self.temperature / states.scale, self.chunk, with_entropy)
         logp = _scatter(mask, flat)
         return logp, None if flat_entropy is None else _scatter(mask, flat_entropy.to(logp.dtype))
 
@@ -158,7 +160,7 @@ def states_of_rows(states: HeadInputs, batch: PackedBatch, index: slice) -> Head
     counts = batch.completion_mask.sum(-1).long().tolist()
     start = sum(counts[: index.start or 0])
     stop = start + sum(counts[index])
-    return HeadInputs(states.hidden[start:stop], states.weight, states.bias)
+    return HeadInputs(states.hidden[start:stop], states.weight, states.bias, states.scale)
 
 
 def _scatter(mask: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -171,13 +173,3 @@ def completion_logprobs(model, batch: PackedBatch, temperature: float = 1.0, wit
     """`CompletionLogprobs(model, temperature, chunk)(batch, with_entropy)`, for one-off calls."""
     return CompletionLogprobs(model, temperature, chunk)(batch, with_entropy)
 
-
-def _linear_head(model):
-    """The model's output layer if its logits are exactly lm_head(last hidden state), else None."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    config = getattr(model, "config", None)
-    if not isinstance(head, torch.nn.Linear) or getattr(model, "base_model", model) is model:
-        return None
-    if any(getattr(config, name, None) not in (None, 1.0) for name in ("final_logit_softcapping", "logit_scale")):
-        return None  # logits are transformed after the head (Gemma 2, Cohere)
-    return head

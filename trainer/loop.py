@@ -43,6 +43,7 @@ from trainer.distributed import (
     load_optimizer_state,
     shard,
 )
+from trainer.dropout import disable_dropout
 from trainer.full_kl import HeadInputs
 from trainer.logprobs import CompletionLogprobs, PackedBatch, pack, states_of_rows, token_matrix
 from trainer.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
@@ -215,6 +216,7 @@ class Run:
         c = config
         self.tokenizer = load_tokenizer(c.model.path)
         lm = load_model(c.model.path, c.model.dtype, world.device(c.model.device))
+        disable_dropout(lm)  # trained in train mode, without its noise (so are the copies below)
         reference = copy.deepcopy(lm).eval().requires_grad_(False)  # the initial weights, also on resume
         replica = copy.deepcopy(lm).eval() if world.sharded and c.rollout.engine == "hf" else None
         self.resumed = checkpoint.load_latest(self.checkpoints_dir, lm)  # before sharding: every process reads it
@@ -359,7 +361,8 @@ class Run:
         self.data_position += t.prompts_per_step
         indices, seeds = zip(*self.world.my_share(list(zip(indices, seeds, strict=True)), t.minibatches), strict=True)
         prompt_ids, problems = self._encode_prompts(list(indices))
-        rollouts = self.engine.generate(prompt_ids, self.params, list(seeds))
+        with self._sampling_precision():
+            rollouts = self.engine.generate(prompt_ids, self.params, list(seeds))
         packed = pack(rollouts, self.tokenizer.pad_token_id).to(self.device)
         objective = self.config.objective
         reference = None
@@ -383,6 +386,13 @@ class Run:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _sampling_precision(self):
+        """Under bf16 mixed precision the hf engine samples in bf16 too, as the trainer computes (vLLM is
+        given the dtype instead): float32 sampling made the sampler another policy than the trained one."""
+        if self.config.train.mixed_precision != "bf16" or self.config.rollout.engine != "hf":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def _logprobs(self, model: CompletionLogprobs, batch: PackedBatch, with_entropy: bool = False):
         with self._precision():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import string
 from dataclasses import asdict, dataclass
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+
+from trainer import model_source
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ TOY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 class ModelNotFoundError(ValueError):
@@ -56,33 +56,24 @@ QWEN_05B_SHAPE = ToyModelSpec(hidden_size=896, num_layers=24, num_heads=14, num_
                               intermediate_size=4864, max_positions=2048, vocab_size=151936)
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-
 def resolve(name_or_path: str) -> tuple[str, bool]:
     """(what to pass to from_pretrained, whether to load from local files only).
 
     A local directory must hold a config.json. Anything else must look like a hub id; offline
     (HF_HUB_OFFLINE=1) it must already be in the local Hugging Face cache.
     """
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"model directory {path} has no config.json: is it a saved HF model?")
-        return str(path), True
-    if not _HUB_ID.match(name_or_path) or name_or_path.startswith((".", "/", "~")):
-        raise ModelNotFoundError(f"model path {name_or_path} does not exist")
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(name_or_path, "config.json")
-    if isinstance(cached, str):
+    problem = model_source.local_problem(name_or_path)
+    if problem is not None:
+        raise ModelNotFoundError(f"model {problem}")
+    if model_source.is_local(name_or_path):
+        return str(Path(name_or_path).expanduser()), True
+    if model_source.in_hub_cache(name_or_path):
         return name_or_path, True
-    if _offline():
+    if model_source.offline():
         raise ModelNotFoundError(
             f"model {name_or_path!r} is neither a local directory nor in the Hugging Face cache, and "
-            "HF_HUB_OFFLINE is set: download it first (huggingface-cli download "
-            f"{name_or_path}) or pass a local path")
+            f"HF_HUB_OFFLINE is set: download it first ({model_source.download_hint(name_or_path)}) "
+            "or pass a local path")
     return name_or_path, False
 
 
@@ -98,7 +89,7 @@ def fetch(name_or_path: str) -> str:
     loaded once, so that a wrong model fails here and not in every training job.
     """
     source, _ = resolve(name_or_path)
-    if not Path(name_or_path).expanduser().exists() and not _offline():
+    if not model_source.is_local(name_or_path) and not model_source.offline():
         from huggingface_hub import snapshot_download
 
         try:

@@ -17,8 +17,9 @@ from trainer.rollout.base import Rollouts, SamplingParams, check_seeds
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Log-probabilities of the distribution sampled from: logits / temperature, then nucleus."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    """Log-probabilities of the distribution sampled from: logits / temperature, then nucleus (float32, or
+    float64 for float64 logits: the exact audit samples with it too)."""
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     if top_p >= 1.0:
         return logp
     sorted_logp, order = torch.sort(logp, dim=-1, descending=True)

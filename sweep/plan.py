@@ -1,0 +1,111 @@
+"""What a study will do, said before it does it: the Snakefile prints this on a dry run (`snakemake -n`).
+
+Per group of jobs (prepare; train and evaluate per model, as models may set their own resources;
+track; report): how many jobs, the resources each gets from the study config, and the sbatch
+options the submitit executor (profiles/slurm) gives them, with the partition, account and QOS that
+come from its settings (`--submitit-partition ...` on the command line, else the environment's
+SNAKEMAKE_SUBMITIT_PARTITION ...; a rule's `slurm_partition` resource wins over both). Then each
+run's state: it starts fresh, resumes from step N (the newest checkpoint that passes the trainer's
+own check), or is finished.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from snakemake_executor_plugin_submitit.resources import slurm_parameters
+from sweep.grid import Study
+from trainer.config import TrainConfig
+from trainer.run_files import COMPLETE
+
+SETTINGS = ("partition", "account", "qos")  # the executor's defaults for every job
+_SBATCH_ORDER = ("cpus_per_task", "gpus_per_node", "mem", "time", "nodes", "ntasks_per_node", "partition",
+                 "account", "qos", "constraint")
+
+
+def slurm_defaults(argv: list[str], environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """setting -> (value, where it came from), for the settings that have one."""
+    found = {}
+    for name in SETTINGS:
+        option, variable = f"--submitit-{name}", f"SNAKEMAKE_SUBMITIT_{name.upper()}"
+        for i, arg in enumerate(argv):
+            if arg.startswith(f"{option}="):
+                found[name] = (arg.split("=", 1)[1], option)
+            elif arg == option and i + 1 < len(argv):
+                found[name] = (argv[i + 1], option)
+        if name not in found and environ.get(variable):
+            found[name] = (environ[variable], variable)
+    return found
+
+
+def sbatch_options(resources: Mapping[str, Any], defaults: Mapping[str, str]) -> str:
+    """A job's sbatch options as the submitit executor sets them (`--cpus-per-task=4 --mem=8000M ...`)."""
+    params = slurm_parameters(resources, resources.get("cpus", 1), defaults)
+    ordered = sorted(params, key=lambda key: _SBATCH_ORDER.index(key) if key in _SBATCH_ORDER else len(_SBATCH_ORDER))
+    return " ".join(f"--{key.replace('_', '-')}={params[key]}" for key in ordered)
+
+
+def job_groups(study: Study) -> list[tuple[str, int, dict[str, Any]]]:
+    """(what, how many jobs, the resources of each), as the rules in workflow/rules make them; models
+    whose train (or evaluate) jobs get the same resources share a group."""
+    data = [name for name in study.data if name in study.evaluate["data"].values()]
+    groups = [("prepare", len(study.models) + len(data) + 1, study.resources_for("prepare"))]
+    for rule in ("train", "evaluate"):
+        alike: dict[str, tuple[list[str], int, dict[str, Any]]] = {}
+        for model in study.models:
+            runs = [run.run_id for run in study.runs if run.model == model]
+            if rule == "train":
+                jobs = len(study.bundles("train", runs))
+            else:
+                each = [(run, step) for run in runs for step in [*study.eval_steps(run), None]]
+                jobs = len(study.evaluate["suites"]) * len(study.bundles("evaluate", each, model_of=lambda e: e[0]))
+            resources = study.resources_for(rule, model)
+            same = repr(sorted(resources.items()))
+            names, count, _ = alike.get(same, ([], 0, resources))
+            alike[same] = ([*names, model], count + jobs, resources)
+        groups += [(f"{rule}, {', '.join(names)}", count, resources) for names, count, resources in alike.values()
+                   if count]
+    return groups + [(rule, 1, study.resources_for(rule)) for rule in ("track", "report")]
+
+
+def run_state(run_dir: Path) -> tuple[str, int | None]:
+    """("finished" | "resumes" | "fresh", the step it resumes from)."""
+    if (run_dir / COMPLETE).exists():
+        return "finished", None
+    checkpoints = run_dir / "checkpoints"
+    steps = sorted((int(p.name[5:]) for p in checkpoints.glob("step_*") if p.name[5:].isdigit() and p.is_dir()),
+                   reverse=True) if checkpoints.is_dir() else []
+    if steps:
+        from trainer.checkpoint import verify  # torch: only where there are checkpoints to check
+
+        for step in steps:
+            if verify(checkpoints / f"step_{step}") is None:
+                return "resumes", step
+    return "fresh", None
+
+
+def plan(study: Study, argv: list[str], environ: Mapping[str, str]) -> list[str]:
+    """The plan's lines."""
+    settings = slurm_defaults(argv, environ)
+    defaults = {name: value for name, (value, _) in settings.items()}
+    said = [f"{name} {value} (from {source})" for name, (value, source) in settings.items()]
+    unset = [f"SNAKEMAKE_SUBMITIT_{name.upper()}" for name in SETTINGS if name not in settings]
+    lines = [f"klstudy plan: study {study.name}, {len(study.runs)} runs, results in {study.results}/",
+             "  SLURM (profiles/slurm): " + "; ".join(
+                 [*said, *([f"no {', '.join(unset)}: the cluster's defaults"] if unset else [])]),
+             "  the study's jobs and what each gets (cpus are Snakemake's threads; on SLURM, the sbatch options;"
+             " Snakemake's list says which jobs still run):"]
+    for what, jobs, resources in job_groups(study):
+        shown = ", ".join(f"{key} {value}" for key, value in resources.items())
+        lines += [f"    {what}: {jobs} job{'s' * (jobs != 1)}", f"      resources {shown}",
+                  f"      sbatch {sbatch_options(resources, defaults)}"]
+    states = {run.run_id: run_state(study.results / "runs" / run.run_id) for run in study.runs}
+    counts = {state: sum(1 for s, _ in states.values() if s == state) for state in ("fresh", "resumes", "finished")}
+    lines.append(f"  runs: {counts['fresh']} start fresh, {counts['resumes']} resume from a checkpoint, "
+                 f"{counts['finished']} finished")
+    for run, (state, step) in states.items():
+        if state == "resumes":
+            lines.append(f"    {run} resumes from step {step} of "
+                         f"{study.run(run).config.get('train', {}).get('steps', TrainConfig.steps)}")
+    return lines
