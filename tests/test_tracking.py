@@ -334,9 +334,9 @@ def test_the_track_job_checks_each_run_against_the_server_and_rebuilds_what_it_l
     first = sync(results, "lost", uri)
     assert first.runs_created == 5
     before = requests_served(log)
-    again = sync(results, "lost", uri)  # nothing new: one request per run, and the study's
+    again = sync(results, "lost", uri)  # nothing new: one request per run, the study's, its saved views'
     assert (again.runs_created, again.steps_logged, again.evals_logged) == (0, 0, 0)
-    assert requests_served(log) - before == 5 + 1
+    assert requests_served(log) - before == 5 + 1 + 1
     gone = first.child_run_ids["toy__k1-reward__b0.05__s0"]
     client(uri).delete_run(gone)
     rebuilt = sync(results, "lost", uri)

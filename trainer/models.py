@@ -163,6 +163,13 @@ def format_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """A `format_prompt` result as token ids. A chat template writes the model's special tokens itself
+    (a BOS where the model has one), so the tokenizer adds none to it; plain text gets what the
+    tokenizer adds (a BOS for Llama-style tokenizers)."""
+    return tokenizer(text, add_special_tokens=not chat)["input_ids"]
+
+
 def build_toy_tokenizer(vocab_size: int = 0):
     """A character-level PreTrainedTokenizerFast: one token per printable ASCII character, then
     unused `<extra_i>` tokens up to `vocab_size` (if larger)."""

@@ -89,9 +89,7 @@ class ObjectiveProbe:
         seeds = sample_seeds(m.seed, 0, m.prompts)
         lo, hi = world.rank * m.prompts // world.size, (world.rank + 1) * m.prompts // world.size
         problems = [self.task.problem(i) for i in indices[lo:hi]]
-        chat = config.model.chat_template
-        texts = [self.task.prompt(p, tokenizer, chat) for p in problems]
-        self.held_out = HeldOut([tokenizer(t, add_special_tokens=not chat)["input_ids"] for t in texts], problems,
+        self.held_out = HeldOut(self.task.prompt_ids(problems, tokenizer, config.model.chat_template), problems,
                                 seeds[lo:hi])
         self.indices = indices
         self.beta = config.objective.beta if config.objective.placement != "none" else None
