@@ -3,6 +3,7 @@ float64 models a little apart; a model whose tokens are confident, with completi
 SmolLM2-135M-Instruct, a real model, imported once into the cache."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -11,6 +12,11 @@ import transformers
 from trainer.logprobs import pack
 from trainer.models import ToyModelSpec, build_toy_model, load_model
 from trainer.rollout.base import Rollouts
+
+# vLLM's CPU build traces each engine's model once and runs it eagerly instead of compiling it with
+# inductor, the switch its own CPU CI uses: a SmolLM2 engine started in 3 to 4 minutes of compiling
+# (its compile cache does not load on this build), and the tests start several. Children inherit it.
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 
 @pytest.fixture(scope="session")
