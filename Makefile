@@ -6,8 +6,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.klstudy-installed
 VLLM_STAMP := $(VENV)/.klstudy-vllm-installed
+DOCS_STAMP := $(VENV)/.klstudy-docs-installed
 
-.PHONY: setup setup-vllm study study-offpolicy test
+.PHONY: setup setup-vllm study study-offpolicy test docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,3 +42,12 @@ study-offpolicy: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# The documentation site (mkdocs.yml), built into site/; --strict: a broken link or a page missing from
+# the nav fails it. CI builds it (.ci/run).
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[test,docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
