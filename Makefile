@@ -8,7 +8,7 @@ STAMP := $(VENV)/.klstudy-installed
 VLLM_STAMP := $(VENV)/.klstudy-vllm-installed
 DOCS_STAMP := $(VENV)/.klstudy-docs-installed
 
-.PHONY: setup setup-vllm study study-offpolicy test docs
+.PHONY: setup setup-vllm study study-offpolicy test test-fast docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,14 @@ study-offpolicy: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# The unit tier for daily work, over the cores: everything but the files that train, run studies,
+# start servers, engines or clusters, and the tests marked slow (docs/testing.md has the tiers' times).
+FAST_EXCLUDED := test_workflow test_slurm test_train test_distributed test_vllm_training test_vllm_engine \
+	test_rollout_contract test_tracking test_eval test_doc_commands
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -m "not slow" $(foreach f,$(FAST_EXCLUDED),--ignore=tests/$(f).py)
 
 # The documentation site (mkdocs.yml), built into site/; --strict: a broken link or a page missing from
 # the nav fails it. CI builds it (.ci/run).
