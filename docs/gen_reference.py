@@ -212,7 +212,12 @@ def studies_page() -> str:
     for path in sorted((REPO / "workflow" / "config").glob("*.yaml")):
         if path.name == "schema.yaml":
             continue
-        study = load_study(yaml.safe_load(path.read_text()))
+        data = yaml.safe_load(path.read_text())
+        if "models" not in data:  # an override file, which Snakemake merges over another study config
+            lines += [f"## `{path.relative_to(REPO)}`", "", "An override of another study config.", "",
+                      _leading_comment(path), ""]
+            continue
+        study = load_study(data)
         lines += [f"## `{path.relative_to(REPO)}`", "",
                   f"Study `{study.name}`: {len(study.runs)} runs of {', '.join(f'`{m}`' for m in study.models)};"
                   f" results under `{study.results}`.", "", _leading_comment(path), ""]

@@ -187,8 +187,10 @@ def evaluate(settings: EvalSettings, out_dir: Path) -> dict[str, Any]:
     for task in settings.tasks:
         for sample in result["samples"].get(task, []):
             responses = sample["resps"][0] if sample["resps"] else []
+            arguments = sample.get("arguments") or [[None]]
             lines.append(json.dumps({
-                "task": task, "doc_id": sample["doc_id"], "doc": sample["doc"], "gold": sample.get("target"),
+                "task": task, "doc_id": sample["doc_id"], "doc": sample["doc"], "prompt": arguments[0][0],
+                "gold": sample.get("target"),
                 "responses": responses, "pass_at_1": sample.get("pass_at_1"), "pass_at_k": sample.get("pass_at_k"),
             }, default=str))
     _write_atomic(out_dir / "samples.jsonl", "".join(line + "\n" for line in lines))

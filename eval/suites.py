@@ -4,7 +4,7 @@ from __future__ import annotations
 
 IN_DOMAIN = ("math500", "math2")
 OUT_OF_DOMAIN = ("mmlu_college_physics", "mmlu_college_chemistry", "mmlu_college_biology")
-TASKS = (*IN_DOMAIN, *OUT_OF_DOMAIN, "countdown", "arith")
+TASKS = (*IN_DOMAIN, *OUT_OF_DOMAIN, "countdown", "arith", "arith_natural", "countdown_natural")
 SUITES: dict[str, tuple[str, ...]] = {
     "in_domain": IN_DOMAIN,
     "out_of_domain": OUT_OF_DOMAIN,
@@ -20,9 +20,11 @@ REQUIRED_FIELDS: dict[str, list[tuple[str, ...]]] = {
     "mmlu_college_biology": [("question",), ("choices",), ("answer",)],
     "countdown": [("nums", "numbers"), ("target",)],
     "arith": [("question",), ("answer",)],
+    "arith_natural": [("question",), ("answer",)],
+    "countdown_natural": [("nums", "numbers"), ("target",)],
 }
 # Tasks with no public default data set: their data must be given (python -m eval run --data TASK=PATH).
-NEEDS_DATA = ("math2", "arith")
+NEEDS_DATA = ("math2", "arith", "arith_natural")
 
 
 class SuiteError(ValueError):

@@ -13,6 +13,7 @@ from snakemake_interface_executor_plugins.executors.base import SubmittedJobInfo
 from snakemake_interface_executor_plugins.executors.remote import RemoteExecutor
 from snakemake_interface_executor_plugins.jobs import JobExecutorInterface
 
+from snakemake_executor_plugin_submitit import adopt
 from snakemake_executor_plugin_submitit.command import JobCommand
 from snakemake_executor_plugin_submitit.resources import signature, slurm_parameters
 
@@ -49,6 +50,7 @@ class Executor(RemoteExecutor):
         self.extra = parse_sbatch(settings.sbatch)
         self.settings = settings
         self.logger.info(f"submitit: job scripts and logs in {self.folder}")
+        self.adoptable = adopt.still_running(self.folder.parent)  # an earlier run's jobs that SLURM still runs
 
     # --- submission ----------------------------------------------------------------------------
 
@@ -57,13 +59,29 @@ class Executor(RemoteExecutor):
         groups: dict[tuple, tuple[dict, list[JobExecutorInterface]]] = {}
         for job in jobs:
             self.run_job_pre(job)
+            if self._adopted(job):
+                continue
             params = self._parameters(job)
             groups.setdefault((job.name, signature(params)), (params, []))[1].append(job)
         for params, members in groups.values():
             self._submit(members, params)
 
     def run_job(self, job: JobExecutorInterface) -> None:
-        self._submit([job], self._parameters(job))
+        if not self._adopted(job):
+            self._submit([job], self._parameters(job))
+
+    def _adopted(self, job: JobExecutorInterface) -> bool:
+        """Follow the job an earlier run of this study submitted for the same outputs, if SLURM still runs it."""
+        found = self.adoptable.pop(adopt.key(job.output), None)
+        if found is None:
+            return False
+        folder, job_id = found
+        handle = submitit.SlurmJob(folder=folder, job_id=job_id)
+        self.logger.info(f"SLURM job {job_id} ({job.name}) of an earlier run of this study still runs: "
+                         "followed, not submitted again")
+        adopt.record(self.folder, [(job_id, folder, job.output)])
+        self.report_job_submission(SubmittedJobInfo(job, external_jobid=job_id, aux={"submitit": handle}))
+        return True
 
     def _parameters(self, job: JobExecutorInterface) -> dict:
         return slurm_parameters(job.resources, job.threads, self.defaults)
@@ -83,7 +101,9 @@ class Executor(RemoteExecutor):
                     submitted = [self.submitit.submit(command) for command in commands]
         except Exception as error:  # sbatch refused: bad partition, account, resources...
             raise WorkflowError(f"submitit could not submit {len(jobs)} {jobs[0].name} job(s): {error}") from None
-        for job, handle in zip(jobs, submitted, strict=True):
+        pairs = list(zip(jobs, submitted, strict=True))
+        adopt.record(self.folder, [(handle.job_id, self.folder, job.output) for job, handle in pairs])
+        for job, handle in pairs:
             self.report_job_submission(SubmittedJobInfo(job, external_jobid=handle.job_id, aux={"submitit": handle}))
 
     # --- status ----------------------------------------------------------------------------------

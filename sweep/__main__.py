@@ -6,7 +6,9 @@ import argparse
 import contextlib
 import json
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 log = logging.getLogger("sweep")
@@ -21,8 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--results", type=Path, default=Path("results"))
     t.add_argument("--study", required=True, help="study name (one MLflow experiment and parent run)")
     t.add_argument("--uri", help="tracking URI")
-    t.add_argument("--follow", type=Path, metavar="RUN_DIR", help="keep syncing until RUN_DIR is complete")
+    t.add_argument("--follow", type=Path, nargs="+", metavar="RUN_DIR",
+                   help="sync only these runs (a training job's), every --interval s, until all are complete, or "
+                        "until SIGUSR1 says their training is over; then once more")
     t.add_argument("--interval", type=float, default=30.0, help="seconds between syncs with --follow")
+    t.add_argument("--open", action="store_true", help="only create the study's experiment and parent run (if "
+                   "absent) and record them, as a study does before its training jobs start")
     r = sub.add_parser("report", help="tables (Markdown, LaTeX, CSV) and figures",
                        description="Writes results/tables and results/figures from the run directories.")
     r.add_argument("--results", type=Path, default=Path("results"))
@@ -36,19 +42,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="a run whose smoothed reward or pass rate ends below this fraction of its peak is "
                         "flagged unstable (default 0.5)")
     args = parser.parse_args(argv)
+    ended = threading.Event()
+    if args.command == "track" and args.follow:  # at once: the job may signal before MLflow is imported
+        signal.signal(signal.SIGUSR1, lambda *_: ended.set())
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "track":
-            from sweep.tracking import follow, sync
+            from sweep.tracking import default_uri, follow, open_store, runs_page, sync
 
             # MLflow prints "View run ... at: <url>" on stdout when it ends a run on a server: stdout
             # is the sync report's JSON (the track job's output file), so everything else goes to stderr
             with contextlib.redirect_stdout(sys.stderr):
-                if args.follow:
-                    follow(args.results, args.study, args.follow, args.uri, args.interval)
+                if args.open:
+                    uri = args.uri or default_uri(args.results)
+                    store = open_store(args.results, args.study, uri)
+                    synced = {"experiment_id": store.experiment_id, "parent_run_id": store.parent_id,
+                              "runs_page": runs_page(uri, store.experiment_id)}
+                elif args.follow:
+                    follow(args.results, args.study, args.follow, args.uri, args.interval, ended=ended)
                     return 0
-                synced = sync(args.results, args.study, args.uri)
-            print(json.dumps(synced.__dict__))
+                else:
+                    synced = sync(args.results, args.study, args.uri).__dict__
+            print(json.dumps(synced))
         else:
             from sweep.report import report
 

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trainer import estimators, placements
+from trainer import estimators, placements, presets
 
 STANDARD = ("model", "estimator", "placement", "beta", "seed")
 STANDARD_KEYS = {"estimator": "objective.estimator", "placement": "objective.placement", "beta": "objective.beta",
@@ -110,6 +110,7 @@ def inert_keys(config: dict[str, Any]) -> frozenset[str]:
 
     section = config.get("objective") or {}
     try:
+        section = presets.expand(section)  # a preset's values fill in the keys not given
         objective = ObjectiveConfig(**{k: v for k, v in section.items() if k in ObjectiveConfig.field_names()})
     except (TypeError, ValueError):  # not a config the trainer would run: nothing is known to be inert
         return frozenset()
@@ -168,8 +169,22 @@ def extra_axes(configs: list[dict[str, Any]]) -> list[str]:
             if key not in NOT_AXES and key not in inert:
                 seen.setdefault(key, {}).setdefault(name, set()).add(json.dumps(value, sort_keys=True))
     # a key that some configs lack (runs of an older trainer) varies only if those that have it differ
-    return sorted((key for key, by_model in seen.items() if any(len(values) > 1 for values in by_model.values())),
-                  key=config_order)
+    varying = [key for key, by_model in seen.items() if any(len(values) > 1 for values in by_model.values())]
+    if PRESET in varying:  # a key that the preset sets is no axis of its own unless it varies within a preset
+        varying = [key for key in varying if key not in PRESET_KEYS or _varies_within_preset(configs, key)]
+    return sorted(varying, key=config_order)
+
+
+PRESET = "objective.preset"
+PRESET_KEYS = {f"objective.{key}" for preset in presets.REGISTRY for key in preset.keys}
+
+
+def _varies_within_preset(configs: list[dict[str, Any]], key: str) -> bool:
+    seen: dict[tuple[str, Any], set[str]] = {}
+    for config in configs:
+        where = (model_name(config), lookup(config, PRESET))
+        seen.setdefault(where, set()).add(json.dumps(lookup(config, key), sort_keys=True))
+    return any(len(values) > 1 for values in seen.values())
 
 
 def configuration(coords: dict[str, Any]) -> str:

@@ -54,7 +54,7 @@ def _message(error) -> str:
         return f"{where}{missing}: required (expected {expected(schema['properties'].get(missing, {}))})"
     if error.validator == "oneOf" and all(set(option) == {"required"} for option in error.validator_value):
         names = [name for option in error.validator_value for name in option["required"]]
-        return f"{key}: give exactly one of {' and '.join(names)}"
+        return f"{key}: give exactly one of {', '.join(names[:-1])} and {names[-1]}"
     return f"{key}: got {value!r} (expected {expected(schema)})"
 
 

@@ -69,13 +69,20 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A base model: a local path or hub id, or built here (`build: toy`: the tiny model + SFT)."""
+    """A base model: a local path or hub id, built here (`build: toy`: the tiny model + SFT), or imported
+    here from a GGUF file (`gguf`: {file} or a wheel's {wheel, member})."""
 
     name: str
     path: str
     build: dict[str, Any] | None
     run: dict[str, Any]
     resources: dict[str, dict[str, Any]]
+    gguf: dict[str, str] | None = None
+
+    @property
+    def prepared(self) -> bool:
+        """Whether the prepare step writes the model (into <results>/models/<name>)."""
+        return self.build is not None or self.gguf is not None
 
 
 @dataclass(frozen=True)
@@ -161,10 +168,10 @@ def _models(data: dict[str, Any]) -> dict[str, ModelSpec]:
         if not isinstance(name, str) or not _NAME.match(name) or "__" in name:
             raise StudyError(f"{key}: a model name may hold letters, digits and . _ + - (not '__')")
         entry = mapping(entry, key)
-        known(entry, ("path", "build", "run", "resources"), key)
+        known(entry, ("path", "build", "gguf", "run", "resources"), key)
         build = entry.get("build")
-        if ("path" in entry) == (build is not None):
-            raise StudyError(f"{key}: give exactly one of path (a local directory or hub id) and build")
+        if sum(("path" in entry, build is not None, "gguf" in entry)) != 1:
+            raise StudyError(f"{key}: give exactly one of path (a local directory or hub id), build and gguf")
         if build is not None:
             build = mapping(build, f"{key}.build")
             known(build, ("toy", "sft"), f"{key}.build")
@@ -173,6 +180,8 @@ def _models(data: dict[str, Any]) -> dict[str, ModelSpec]:
             mapping(build["toy"], f"{key}.build.toy")
             sft = mapping(build.get("sft"), f"{key}.build.sft")
             known(sft, ("task", "options", "steps", "batch_size", "lr", "seed"), f"{key}.build.sft")
+        elif "gguf" in entry:
+            _gguf(entry["gguf"], f"{key}.gguf")
         elif not isinstance(entry["path"], str) or not entry["path"]:
             raise StudyError(f"{key}.path: expected a local directory or hub id, got {entry['path']!r}")
         resources = mapping(entry.get("resources"), f"{key}.resources")
@@ -181,8 +190,17 @@ def _models(data: dict[str, Any]) -> dict[str, ModelSpec]:
                 raise StudyError(f"{key}.resources.{rule}: only train and evaluate resources can be set per model")
             _resources(values, f"{key}.resources.{rule}")
         models[name] = ModelSpec(name, entry.get("path", ""), build, mapping(entry.get("run"), f"{key}.run"),
-                                 resources)
+                                 resources, entry.get("gguf"))
     return models
+
+
+def _gguf(spec: Any, key: str) -> None:
+    """A GGUF model's source: {file: a .gguf file} or {wheel: a requirement, member: the file's path in it}."""
+    spec = mapping(spec, key)
+    known(spec, ("file", "wheel", "member"), key)
+    if set(spec) not in ({"file"}, {"wheel", "member"}) or not all(isinstance(v, str) and v for v in spec.values()):
+        raise StudyError(f"{key}: expected {{file: PATH.gguf}} or {{wheel: REQUIREMENT, member: PATH.gguf}} (a "
+                         f"file inside a wheel on the package registry), got {spec!r}")
 
 
 def _resources(values: Any, key: str) -> dict[str, Any]:
@@ -204,7 +222,7 @@ def _resources(values: Any, key: str) -> dict[str, Any]:
 
 def _model_config(shared: dict[str, Any], model: ModelSpec, results: str, every: int) -> dict[str, Any]:
     """What the study sets for every run of `model`, before the grid's coordinates."""
-    path = str(Path(results) / "models" / model.name) if model.build is not None else model.path
+    path = str(Path(results) / "models" / model.name) if model.prepared else model.path
     return _for_evaluation(merge(merge(shared, model.run), {"model": {"path": path, "name": model.name}}), every)
 
 

@@ -6,6 +6,11 @@ An extra axis is any run-config key, dotted (`train.async_level`). A point keeps
 where its run uses the key and the value differs from the study's base (the `run` config, else the
 trainer's default): the baseline crosses `train.async_level` but not `objective.kl_loss_ratio`, and
 a run at the base value has the id it had before the axis existed.
+
+`objective.preset` as an axis (each RL library's default KL configuration, trainer.presets) sets each
+run's estimator and placement: the grid then takes no estimators or placements of its own, crosses
+the presets with its betas (one beta for every library: their objectives compare at it), and runs
+the no-KL baseline once, without a preset.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from typing import Any
 
 from sweep import axes as coords
 from sweep.checks import StudyError, known, listed, mapping, merge, number, with_keys
+from trainer import presets
 from trainer.choices import ESTIMATORS, PLACEMENTS
 
 GRID_KEYS = coords.STANDARD
+PRESET = "objective.preset"  # an axis that sets each point's estimator and placement
 GRID_SECTION = ("estimators", "placements", "betas", "seeds", "baseline", "axes", "include", "exclude")
 RESERVED = {"model.path": "set from `models` (a model's key is its name)",
             "model.name": "set from `models` (a model's key is its name)",
@@ -167,15 +174,35 @@ class Expansion:
         seeds; then the baselines, then include's)."""
         estimators, placements, betas, seeds, baseline = _standard(self.grid)
         models, combos = list(self.base), _combinations(self.axes)
-        raw = [(m, e, p, b, s, x) for m, e, p, b, x, s in
-               itertools.product(models, estimators, placements, betas, combos, seeds)]
+        if PRESET in self.axes:
+            raw = self._preset_points(models, betas, combos, seeds)
+        else:
+            raw = [(m, e, p, b, s, x) for m, e, p, b, x, s in
+                   itertools.product(models, estimators, placements, betas, combos, seeds)]
         if baseline:
-            raw += [(m, None, "none", None, s, x) for m, x, s in itertools.product(models, combos, seeds)]
+            plain = list({json.dumps(x, sort_keys=True): x for x in
+                          ({k: v for k, v in x.items() if k != PRESET} for x in combos)}.values())
+            raw += [(m, None, "none", None, s, x) for m, x, s in itertools.product(models, plain, seeds)]
         raw += self._include(models)
         points = [self._point(*entry) for entry in raw]
         exclude = self._patterns()
         kept = [p for p in points if not any(self._matches(p, pattern) for pattern in exclude)]
         return list({p.signature(): p for p in kept}.values())
+
+    def _preset_points(self, models: list[str], betas: list[float], combos: list[dict[str, Any]],
+                       seeds: list[int]) -> list[tuple]:
+        """Each preset's points: its own estimator and placement (a preset without a KL term is a no-KL
+        run), at each of the grid's betas."""
+        for key in ("estimators", "placements"):
+            if key in self.grid:
+                raise StudyError(f"grid.{key}: objective.preset is an axis and sets each run's estimator and "
+                                 f"placement; leave grid.{key} out")
+        raw = []
+        for m, b, x, s in itertools.product(models, betas, combos, seeds):
+            spec = presets.REGISTRY[x[PRESET]].values
+            raw.append((m, None, "none", None, s, x) if spec["placement"] == "none" else
+                       (m, spec["estimator"], spec["placement"], b, s, x))
+        return raw
 
     def value(self, point: Point, key: str) -> Any:
         """A point's value of an extra axis: its own, else the base's."""

@@ -186,15 +186,14 @@ def report(results: Path, study: str | None = None, uri: str | None = None, coll
 
     written += draw.all_figures(records, groups, tasks, figures)
     if study is not None:
-        from sweep.tracking import default_uri, open_study, sync_lock
+        from sweep.tracking import default_uri, open_study
 
         uri = uri or default_uri(results)
-        with sync_lock(results):
-            client, _, parent = open_study(results, study, uri)
-            for path in written:
-                client.log_artifact(parent, str(path), artifact_path=path.parent.name)
-            # the parent run's description in the UI (MLflow's note): the results table itself
-            client.set_tag(parent, "mlflow.note.content", f"# {study}\n\n" + (tables / "results.md").read_text()
-                           + "\nTables and figures: this run's artifacts `tables/` and `figures/`.\n")
+        client, _, parent = open_study(results, study, uri)
+        for path in written:
+            client.log_artifact(parent, str(path), artifact_path=path.parent.name)
+        # the parent run's description in the UI (MLflow's note): the results table itself
+        client.set_tag(parent, "mlflow.note.content", f"# {study}\n\n" + (tables / "results.md").read_text()
+                       + "\nTables and figures: this run's artifacts `tables/` and `figures/`.\n")
     log.info("report: %d rows, %d tasks, %d files", len(layouts[None].rows), len(tasks), len(written))
     return {"rows": len(layouts[None].rows), "tasks": tasks, "files": [str(p) for p in written]}

@@ -65,6 +65,14 @@ class RunRecord:
     def label(self) -> str:
         return axes.configuration(self.coords)
 
+    @property
+    def final_beta(self) -> float | None:
+        """The beta of the run's last measurement (an adaptive beta moves; the objective line records it),
+        else its coordinate."""
+        if self.coords["beta"] is None:
+            return None
+        return self.objective[-1].get("beta", self.coords["beta"]) if self.objective else self.coords["beta"]
+
     def measured(self, beta: float | None) -> dict[str, float] | None:
         """The final model's measured objective: reward and KL to the reference, and at `beta` (any
         beta, not only the run's own) the objective, its optimum and the gap, each with its standard
@@ -92,16 +100,33 @@ def _suites(directory: Path) -> dict[str, dict[str, Any]]:
             for suite in sorted(directory.iterdir()) if (suite / "metrics.json").is_file()}
 
 
-def load_runs(results: Path) -> list[RunRecord]:
-    """Every run under results/runs that has a config, with its evals from results/eval/<id>/<suite>; the
-    extra axes are the config keys that differ between runs of one model (sweep.axes)."""
+def _read_config(path: Path) -> dict[str, Any]:
+    """A run's config.yaml, with libyaml's parser where PyYAML has it (100 times faster: a live follower
+    reads its runs' configs every round)."""
+    return yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
+
+
+def _run_dirs(results: Path) -> list[Path]:
     runs_dir = Path(results) / "runs"
+    return sorted(runs_dir.iterdir()) if runs_dir.is_dir() else []
+
+
+def study_axes(results: Path) -> tuple[str, ...]:
+    """The extra axes of the runs under `results` (see load_runs), from their configs alone."""
+    return tuple(axes.extra_axes([_read_config(path / CONFIG) for path in _run_dirs(results)
+                                  if (path / CONFIG).is_file()]))
+
+
+def load_runs(results: Path, only: list[Path] | None = None) -> list[RunRecord]:
+    """Every run under results/runs that has a config (or those of the run directories `only`), with its
+    evals from results/eval/<id>/<suite>; the extra axes are the config keys that differ between runs
+    of one model (sweep.axes), and unknown with `only`."""
     records = []
-    for path in sorted(runs_dir.iterdir()) if runs_dir.is_dir() else []:
+    for path in _run_dirs(results) if only is None else [Path(p) for p in only]:
         config_file = path / CONFIG
         if not config_file.is_file():
             continue
-        record = RunRecord(path.name, path, yaml.safe_load(config_file.read_text()) or {},
+        record = RunRecord(path.name, path, _read_config(config_file),
                            read_metrics(path / METRICS), objective=read_metrics(path / OBJECTIVE))
         if (path / OBJECTIVE_REFERENCE).is_file():
             record.objective_reference = json.loads((path / OBJECTIVE_REFERENCE).read_text())
@@ -110,7 +135,7 @@ def load_runs(results: Path) -> list[RunRecord]:
             if directory.name[5:].isdigit() and (suites := _suites(directory)):
                 record.checkpoint_evals[int(directory.name[5:])] = suites
         records.append(record)
-    extra = tuple(axes.extra_axes([r.config for r in records]))
+    extra = tuple(axes.extra_axes([r.config for r in records])) if only is None else ()
     for record in records:
         record.extra_axes = extra
     return records

@@ -45,7 +45,7 @@ def preflight(study: Study) -> list[str]:
 def _model_notes(study: Study) -> list[str]:
     notes = []
     for name, model in study.models.items():
-        if model.build is not None:
+        if model.prepared:  # built or imported by the prepare step, into the study's results
             continue
         key, path = f"models.{name}.path", model.path
         problem = model_source.local_problem(path)

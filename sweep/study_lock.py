@@ -26,6 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.lease import process_alive as _alive
+from trainer.lease import process_start_time as _start_time
+
 RECORD = Path(".snakemake") / "klstudy-lock-holder.json"  # in Snakemake's working directory
 SKIP = "KLSTUDY_SKIP_LOCK_CHECK"  # set for the nested `--unlock`, which parses the Snakefile too
 # Options after which Snakemake takes no lock: nothing to check, nothing to refuse.
@@ -35,25 +38,6 @@ NO_LOCK_OPTIONS = {"-n", "--dry-run", "--dryrun", "--unlock", "--nolock", "--lis
 
 class StudyLocked(RuntimeError):
     """The study directory is locked by a snakemake that may still be running."""
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (/proc), or None where it cannot be read."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[19]  # field 22 of stat(5), counted after the command name's ")"
-
-
-def _alive(pid: int, start_time: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        pass
-    return start_time is None or _start_time(pid) in (None, start_time)
 
 
 def claim(argv: list[str], directory: Path = Path(".")) -> None:

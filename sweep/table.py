@@ -102,8 +102,9 @@ def paired_p_value(a: dict[int, float], b: dict[int, float]) -> float | None:
 
 
 def objective_cells(record: RunRecord) -> dict[str, float]:
-    """The final model's measured objective: gap at the run's beta (runs with KL), KL and reward."""
-    measured = record.measured(record.coords["beta"])
+    """The final model's measured objective: gap at the run's beta (runs with KL; an adaptive beta: the one it
+    ended with), KL and reward."""
+    measured = record.measured(record.final_beta)
     if measured is None:
         return {}
     cells = {"objective_gap": measured["gap"]} if "gap" in measured else {}
@@ -155,12 +156,13 @@ def summarize(records: list[RunRecord], fraction: float = 0.5) -> tuple[list[Gro
 
 
 def _mark_significance(groups: dict[str, Group]) -> None:
-    """p-values against k1-reward at the same coordinates (those k1-reward uses: it has no KL loss ratio)."""
+    """p-values against k1-reward at the same coordinates (those k1-reward uses: it has no KL loss ratio; a
+    library's preset is part of the configuration, as the estimator and placement are)."""
     compared = [g for g in groups.values() if all(g.coords[k] == v for k, v in COMPARED_TO.items())]
     for group in groups.values():
         if group.reference or group.coords["placement"] == "none" or group in compared:
             continue
-        others = {k: v for k, v in group.coords.items() if k not in COMPARED_TO}
+        others = {k: v for k, v in group.coords.items() if k not in COMPARED_TO and k != axes.PRESET}
         base = next((g for g in compared if axes.covers(g.coords, others)), None)
         if base is None:
             continue

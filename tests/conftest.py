@@ -1,5 +1,6 @@
 """Shared fixtures: a toy model and a warmed-up toy model, built once per test session; a pair of
-float64 models a little apart; a model whose tokens are confident, with completions it sampled."""
+float64 models a little apart; a model whose tokens are confident, with completions it sampled;
+SmolLM2-135M-Instruct, a real model, imported once into the cache."""
 
 import copy
 
@@ -34,6 +35,14 @@ def warm_model(toy_model, tmp_path_factory):
                  eval_problems=64)
     assert report["sampled_reward"] > 0.2, report  # RL starts with a reward clearly above zero
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct's imported model directory (shared by every test: do not write into it)."""
+    from smollm2_required import require_smollm2
+
+    return require_smollm2()
 
 
 @pytest.fixture

@@ -27,7 +27,10 @@ def write_run(results: Path, run_id: str, estimator: str, placement: str, beta: 
     if complete:
         (run / "COMPLETE").write_text("{}\n")
     if measured is not None:
-        line = {"step": len(rewards), "per_prompt": {"reward": measured[0], "kl": measured[1]}}
+        from trainer.objective_measure import summarize
+
+        line = summarize(len(rewards), None if placement == "none" else beta, REFERENCE_HISTOGRAMS,
+                         {"reward": measured[0], "kl": measured[1]}, samples=4)  # as training writes it
         (run / "objective.jsonl").write_text(json.dumps(line) + "\n")
         (run / "objective_reference.json").write_text(json.dumps({"histograms": REFERENCE_HISTOGRAMS}))
     suite = results / "eval" / run_id / "all"
@@ -46,4 +49,25 @@ def write_study(results: Path) -> Path:
               skipped=1)
     write_run(results, "toy__k3-loss__b0.05__s1", "k3", "loss", 0.05, 1, [0.2, 0.4, 0.5, 0.5], {"math500": 0.4})
     write_run(results, "toy__none__s0", "k1", "none", 0.0, 0, [0.2, 0.3, 0.3, 0.3], {"math500": 0.6})
+    return results
+
+
+def write_offpolicy_study(results: Path) -> Path:
+    """k1-reward, k1-loss with the KL loss ratio none and detached, and no KL, at async levels 0 and 2,
+    two seeds each; pass@1 and the measured objective are known per run."""
+    for seed in (0, 1):
+        for level in (0, 2):
+            tag = "" if level == 0 else "__async2"
+            stale = 0.1 * level  # staleness costs k1-loss without the ratio
+            write_run(results, f"toy__k1-reward__b0.1{tag}__s{seed}", "k1", "reward", 0.1, seed, [0.5, 0.6],
+                      {"arith": 0.6 + 0.01 * seed}, train={"async_level": level}, objective={"kl_loss_ratio": "none"},
+                      measured=([0.7, 0.4], [0.1, 0.1]))
+            for ratio in ("none", "detached"):
+                part = "" if ratio == "none" else "__ratio-detached"
+                drop = stale if ratio == "none" else 0.0
+                write_run(results, f"toy__k1-loss__b0.1{part}{tag}__s{seed}", "k1", "loss", 0.1, seed, [0.5, 0.6],
+                          {"arith": 0.55 - drop + 0.01 * seed}, train={"async_level": level},
+                          objective={"kl_loss_ratio": ratio}, measured=([0.7 - drop, 0.4], [0.2 + drop, 0.2]))
+            write_run(results, f"toy__none{tag}__s{seed}", "k1", "none", 0.0, seed, [0.5, 0.6 - stale],
+                      {"arith": 0.5 - stale}, train={"async_level": level}, measured=([0.6, 0.4], [0.5, 0.5]))
     return results

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trainer import convergence
+from trainer import convergence, presets
 
 
 def run_cli(*args, cwd=None):
@@ -22,8 +22,12 @@ def test_audit_prints_the_table_and_writes_csv_json_markdown(tmp_path):
     assert "per-prefix forward (agrees)" in result.stdout
     assert "DISAGREES" not in result.stdout
     rows = list(csv.DictReader((tmp_path / "gradient_audit.csv").open()))
-    # per estimator (k1, k2, k3, full): on-policy 3 + 2 differentiable; off-policy 1 reward + 6 loss; 3 sequence
-    assert len(rows) == 4 * (5 + 7 + 3)
+    # per estimator (k1, k2, k3, k3+, full) and placement with a KL term (the three in the reward alone
+    # and the three with a loss): on-policy 3 + 3 x 2; off-policy 3 + 3 x 3; sequence 6
+    assert len(rows) == 5 * (9 + 12 + 6)
+    assert "| on-policy | k1 | reward-to-go | - | token |" in result.stdout
+    assert "| entropy bonus | entropy_coef 0.1 | on-policy |" in result.stdout  # the peers' settings, below
+    assert (tmp_path / "peers_audit.csv").is_file() and (tmp_path / "peers_audit.md").is_file()
     data = json.loads((tmp_path / "gradient_audit.json").read_text())
     assert data["setup"]["seeds"] == [0] and len(data["rows"]) == len(rows)
     verdicts = {(r["estimator"], r["placement"]): r["verdict"] for r in rows
@@ -59,7 +63,9 @@ def test_convergence_separates_unbiased_from_biased_configurations():
     audit = convergence.convergence_audit(steps=300, groups_per_step=16, progress=False)
     final = audit.final
     start = audit.setup["start_kl_to_optimum"]
-    assert convergence.unbiased_labels() == {"k1 reward", "k1 reward+loss", "k3 reward+loss", "full reward+loss"}
+    assert convergence.unbiased_labels() == {"k1 reward", "k1 reward+loss", "k3 reward+loss", "full reward+loss",
+                                             "k1 reward-to-go", "k1 reward-to-go+loss", "k3 reward-to-go+loss",
+                                             "full reward-to-go+loss"}
     unbiased = [final[name] for name in convergence.unbiased_labels()]
     biased = [final[name] for name in ("k2 loss", "k3 loss", "k2 reward+loss", "k2 reward", "k3 reward", "full loss",
                                        "full reward")]
@@ -67,3 +73,18 @@ def test_convergence_separates_unbiased_from_biased_configurations():
     assert max(unbiased) < min(biased)          # every biased one ends further away
     assert final["k1 reward"] < 1e-6            # zero-variance fixed point: all shaped rewards equal at pi*
     assert final["none"] > 1 and final["k1 loss"] > 0.5  # no regularisation: the reward's argmax
+
+
+def test_audit_presets_explains_each_librarys_default(tmp_path):
+    result = run_cli("--presets", "--seeds", "0", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    rows = {r["preset"]: r for r in csv.DictReader((tmp_path / "presets_audit.csv").open())}
+    assert set(rows) == set(presets.NAMES) and (tmp_path / "presets_audit.md").is_file()
+    assert {name for name, r in rows.items() if r["on_policy"] == "unbiased"} == {"verl-reward", "openrlhf",
+                                                                                  "trl-rloo"}
+    assert {r["on_policy"] for name, r in rows.items() if r["placement"] == "loss"} == {"per-prefix forward",
+                                                                                        "per-prefix reverse"}
+    assert rows["slime-grpo-reward-kl"]["on_policy"] == "zero"
+    assert all(r["off_policy"] != "unbiased" for r in rows.values())  # token ratios: none of them off-policy
+    assert "| trl-rloo | TRL RLOOTrainer | 0.05 | k1 | reward |" in result.stdout
+    assert "huggingface/trl@f2cd5771" in result.stdout

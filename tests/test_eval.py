@@ -47,6 +47,10 @@ def test_countdown_and_arith_hooks():
     assert hooks.arith_text({"question": "8-6"}) == hooks.arith_text({"question": "8-6="}) == "8-6="
     assert hooks.arith_results({"question": "8-6=", "answer": "2"}, ["2", "3", "2", "-2"]) == {
         "pass_at_1": 0.5, "pass_at_k": 1.0}
+    assert hooks.arith_natural_text({"question": "8-6="}) == "What is 8 - 6? Put your final answer within \\boxed{}."
+    assert hooks.countdown_natural_text(doc) == ("Using the numbers 3, 5 and 7, each exactly once, and any of +, -, * "
+                                                 "and /, write an expression that equals 22. Put the expression "
+                                                 "within \\boxed{}.")
 
 
 def test_training_and_evaluation_share_prompts_and_verifier():
@@ -56,6 +60,13 @@ def test_training_and_evaluation_share_prompts_and_verifier():
     p, c = arithmetic.problem(3), countdown.problem(3)
     assert hooks.arith_text({"question": p.question}) == p.question
     assert hooks.countdown_text({"numbers": c.meta["numbers"], "target": c.meta["target"]}) == c.question
+    for style, arith_text, countdown_text in (("toy", hooks.arith_text, hooks.countdown_text),
+                                              ("natural", hooks.arith_natural_text, hooks.countdown_natural_text)):
+        p = make_task("arithmetic", {"prompt": style, "terms": 3}).problem(3)
+        c = make_task("countdown", {"prompt": style}).problem(3)
+        exported = {"question": p.meta["expression"] + "=", "answer": p.answer}  # python -m trainer export-data
+        assert arith_text(exported) == p.question
+        assert countdown_text({"nums": c.meta["numbers"], "target": c.meta["target"]}) == c.question
     assert hooks.countdown_results({"numbers": c.meta["numbers"], "target": c.meta["target"]}, [c.answer]) == {
         "pass_at_1": 1.0, "pass_at_k": 1.0}
 
@@ -72,14 +83,22 @@ def eval_cli(*args):
     return subprocess.run([sys.executable, "-m", "eval", "run", *args], capture_output=True, text=True, timeout=600)
 
 
+RECORDS = {"arith_natural": "arith", "countdown_natural": "countdown"}  # the same records, asked in words
+
+
+def data_file(task):
+    return DATA / f"{RECORDS.get(task, task)}.jsonl"
+
+
 def data_args(tasks=TASKS):
-    return [arg for task in tasks for arg in ("--data", f"{task}={DATA / (task + '.jsonl')}")]
+    return [arg for task in tasks for arg in ("--data", f"{task}={data_file(task)}")]
 
 
 def test_every_suite_runs_offline_on_a_toy_checkpoint(warm_model, tmp_path):
     out = tmp_path / "all"
     result = eval_cli("--model", str(warm_model), "--suite", "in_domain", "out_of_domain", "all", "countdown", "arith",
-                      "--samples", "2", "--limit", "2", "--max-gen-toks", "8", "--out", str(out), *data_args())
+                      "arith_natural", "countdown_natural", "--samples", "2", "--limit", "2", "--max-gen-toks", "8",
+                      "--out", str(out), *data_args())
     assert result.returncode == 0, result.stderr
     metrics = json.loads((out / "metrics.json").read_text())
     assert list(metrics["tasks"]) == list(TASKS)
@@ -88,7 +107,7 @@ def test_every_suite_runs_offline_on_a_toy_checkpoint(warm_model, tmp_path):
     for task, row in metrics["tasks"].items():
         assert row["metric"] == "pass@1" and row["n"] == 2 and 0 <= row["value"] <= 1
         assert row["pass@k"]["k"] == 2 and row["pass@k"]["value"] >= row["value"]
-        assert row["data"].endswith(f"{task}.jsonl")
+        assert row["data"] == str(data_file(task))
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * len(TASKS) and all(len(s["responses"]) == 2 for s in samples)
     generated = (out / "tasks" / "math500.yaml").read_text()

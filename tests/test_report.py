@@ -3,7 +3,7 @@
 import csv
 
 import pytest
-from study_fixture import write_run, write_study
+from study_fixture import write_offpolicy_study, write_run, write_study
 
 from sweep.report import report
 from sweep.runs import load_runs
@@ -113,29 +113,8 @@ def test_the_objective_columns_the_reference_row_and_paired_significance(tmp_pat
     assert paired_p_value({0: 1.0}, {0: 0.0}) is None
 
 
-def _off_policy_fixture(results):
-    """k1-reward, k1-loss with the KL loss ratio none and detached, and no KL, at async levels 0 and 2,
-    two seeds each; pass@1 and the measured objective are known per run."""
-    for seed in (0, 1):
-        for level in (0, 2):
-            tag = "" if level == 0 else "__async2"
-            stale = 0.1 * level  # staleness costs k1-loss without the ratio
-            write_run(results, f"toy__k1-reward__b0.1{tag}__s{seed}", "k1", "reward", 0.1, seed, [0.5, 0.6],
-                      {"arith": 0.6 + 0.01 * seed}, train={"async_level": level}, objective={"kl_loss_ratio": "none"},
-                      measured=([0.7, 0.4], [0.1, 0.1]))
-            for ratio in ("none", "detached"):
-                part = "" if ratio == "none" else "__ratio-detached"
-                drop = stale if ratio == "none" else 0.0
-                write_run(results, f"toy__k1-loss__b0.1{part}{tag}__s{seed}", "k1", "loss", 0.1, seed, [0.5, 0.6],
-                          {"arith": 0.55 - drop + 0.01 * seed}, train={"async_level": level},
-                          objective={"kl_loss_ratio": ratio}, measured=([0.7 - drop, 0.4], [0.2 + drop, 0.2]))
-            write_run(results, f"toy__none{tag}__s{seed}", "k1", "none", 0.0, seed, [0.5, 0.6 - stale],
-                      {"arith": 0.5 - stale}, train={"async_level": level}, measured=([0.6, 0.4], [0.5, 0.5]))
-    return results
-
-
 def test_extra_axes_group_the_rows_go_in_the_columns_and_get_their_figures(tmp_path):
-    results = _off_policy_fixture(tmp_path / "results")
+    results = write_offpolicy_study(tmp_path / "results")
     files = {f.split("/")[-1] for f in report(results)["files"]}
     md = (results / "tables" / "results.md").read_text()
     assert md.startswith("| model | beta | kl_loss_ratio | async_level | configuration | seeds | arith | "
@@ -170,7 +149,7 @@ def test_extra_axes_group_the_rows_go_in_the_columns_and_get_their_figures(tmp_p
 
 
 def test_any_axis_in_the_columns_and_a_bad_one_named(tmp_path):
-    results = _off_policy_fixture(tmp_path / "results")
+    results = write_offpolicy_study(tmp_path / "results")
     report(results, columns=("placement",))
     by_placement = (results / "tables" / "results_by_placement.md").read_text()
     assert "| toy | 0.1 | none | 2 | k1 | 2 | **0.605 ± 0.007** | 0.355 ± 0.007* |" in by_placement  # reward: no ratio

@@ -129,36 +129,82 @@ def test_plugin_settings_appear_in_snakemake_help(tmp_path):
 
 
 @pytest.mark.slow
-def test_small_study_on_slurm_gives_the_local_outputs(slurm, tmp_path):
-    config = SMALL
+def test_small_study_on_slurm_killed_mid_training_and_rerun_gives_the_local_outputs(slurm, tmp_path):
+    """The study locally and on SLURM gives the same numbers, also when the Snakemake process on the login
+    node is killed (kill -9) mid-training and the same command is run while its jobs still run: they are
+    followed, not submitted again, and no run is trained by two jobs (every step once). The rerun used to
+    submit them again, and two trainers wrote one run directory."""
+    config = json.loads(json.dumps(SMALL))
+    config["grid"]["baseline"] = False  # one run: SMALL_RUNS[0]
+    steps = 400  # long enough that a second trainer would start while the first still runs
+    config["run"]["train"].update(steps=steps, prompts_per_step=4)
+    config["run"]["checkpoint"]["every"] = 20
+    name = SMALL_RUNS[0]
     local_start = time.monotonic()
     local = snakemake(tmp_path / "local", write_config(tmp_path / "local", config), "--profile",
                       str(REPO / "profiles" / "local"), "--cores", "2")
     local_s = time.monotonic() - local_start
     assert local.returncode == 0, local.stderr[-4000:]
+
+    directory = tmp_path / "slurm"
+    path = write_config(directory, config)
+    run = directory / "results" / "runs" / name
+    log = (tmp_path / "killed.log").open("w")  # a file, not a pipe nobody drains while it runs
+    killed = subprocess.Popen([*SNAKEMAKE, *SLURM, "--directory", str(directory), "--configfile", str(path)],
+                              stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (len(read_metrics(run / "metrics.jsonl")) >= 2 and not (run / "COMPLETE").exists()):
+        assert killed.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(0.1)
+    killed.kill()  # the login node's snakemake dies; its SLURM jobs go on
+    killed.wait(timeout=60)
+    log.close()
     cluster_start = time.monotonic()
-    cluster = snakemake(tmp_path / "slurm", write_config(tmp_path / "slurm", config), *SLURM)
+    cluster = snakemake(directory, path, *SLURM)
     cluster_s = time.monotonic() - cluster_start
     assert cluster.returncode == 0, cluster.stderr[-4000:]
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(steps))  # each step once
+    assert re.search(r"SLURM job \S+ \(train\) of an earlier run of this study still runs: followed", cluster.stderr)
     assert "submitit: job scripts and logs in" in cluster.stderr
     jobs = len(re.findall(r"^Finished jobid", cluster.stderr, re.M))
-    for name in SMALL_RUNS:
-        a, b = tmp_path / "local" / "results", tmp_path / "slurm" / "results"
-        assert comparable(a / "runs" / name) == comparable(b / "runs" / name)  # same numbers, step by step
-        scores = [json.loads((r / "eval" / name / "toy" / "metrics.json").read_text())["tasks"]["arith"]
-                  for r in (a, b)]
-        assert scores[0]["value"] == scores[1]["value"] and scores[0]["n"] == scores[1]["n"] == 10
+    a, b = tmp_path / "local" / "results", directory / "results"
+    assert comparable(a / "runs" / name) == comparable(b / "runs" / name)  # same numbers, step by step
+    scores = [json.loads((r / "eval" / name / "toy" / "metrics.json").read_text())["tasks"]["arith"] for r in (a, b)]
+    assert scores[0]["value"] == scores[1]["value"] and scores[0]["n"] == scores[1]["n"] == 10
     for table in ("results.md", "results.csv"):
-        assert (tmp_path / "local" / "results" / "tables" / table).read_text() == \
-            (tmp_path / "slurm" / "results" / "tables" / table).read_text()
-    # The jobs went through SLURM: every one of them is in its accounting.
-    folder = next((tmp_path / "slurm" / ".snakemake" / "submitit").iterdir())
-    ids = {p.name.split("_")[0] for p in folder.glob("*_log.out")}
+        assert (a / "tables" / table).read_text() == (b / "tables" / table).read_text()
+    # The jobs went through SLURM (both runs' folders): every one of them is in its accounting.
+    ids = {p.name.split("_")[0] for p in (directory / ".snakemake" / "submitit").glob("*/*_log.out")}
     accounted = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(sorted(ids))],
                                capture_output=True, text=True).stdout
     assert len(ids) >= 5 and accounted.count("COMPLETED") >= len(ids)
-    print(f"\nsmall study, {jobs} jobs: local {local_s:.1f} s, slurm {cluster_s:.1f} s, "
-          f"overhead {(cluster_s - local_s) / jobs:.2f} s per job")
+    print(f"\nsmall study: local {local_s:.1f} s; on slurm, killed and rerun: the rerun {cluster_s:.1f} s, "
+          f"{jobs} jobs")
+
+
+def test_a_lease_held_in_a_slurm_job_is_live_while_slurm_runs_the_job(slurm):
+    """A trainer's lease names its SLURM job: from another node, it is live while the job runs and
+    stale once SLURM no longer has it (trainer.lease)."""
+    from trainer.lease import why_stale
+
+    sbatch = ["sbatch", "--parsable", "--wrap", "sleep 120", "--mem", "100M", "--output", "/dev/null"]
+    job = subprocess.run(sbatch, capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        holder = {"host": "another-node", "pid": 1, "slurm_job": job, "heartbeat": time.time()}
+        deadline = time.monotonic() + 120
+        while "RUNNING" not in subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
+                                              text=True).stdout:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert why_stale(holder) is None
+    finally:
+        subprocess.run(["scancel", job], check=True)
+    deadline = time.monotonic() + 120
+    while why_stale(holder) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert why_stale(holder) in ("its SLURM job is no longer queued", "its SLURM job is completing",
+                                 "its SLURM job is cancelled")
 
 
 @pytest.mark.slow

@@ -135,7 +135,7 @@ def test_the_dry_run_shows_each_jobs_sbatch_options_and_where_each_run_starts(tm
     ({"grid": {**TOY["grid"], "estimator": "k1"}},
      "grid.estimator: unknown key (known: estimators, placements, betas, seeds, baseline, axes, include, exclude)"),
     ({"models": {"x": {"path": "a", "build": {"toy": {}}}}},
-     "models.x: give exactly one of path (a local directory or hub id) and build"),
+     "models.x: give exactly one of path (a local directory or hub id), build and gguf"),
     ({"models": {"toy-sft": {"build": {"toy": {}, "sft": {"steps": "many"}}}}},
      "models.toy-sft.build.sft.steps: got 'many' (expected a whole number >= 1)"),
     ({"evaluate": {**TOY["evaluate"], "top_p": 1.5}}, "evaluate.top_p: got 1.5 (expected a number > 0 and <= 1)"),
@@ -154,7 +154,7 @@ def test_the_schema_alone_names_keys_too():
     decides whose words the user sees)."""
     assert schema_problem(toy(evalute={}), SCHEMA).startswith("evalute: unknown key (known: study, results,")
     assert schema_problem(toy(study=None), SCHEMA) == "study: required (expected a name: letters, digits and . _ + -)"
-    assert schema_problem(toy(models={"x": {}}), SCHEMA) == "models.x: give exactly one of path and build"
+    assert schema_problem(toy(models={"x": {}}), SCHEMA) == "models.x: give exactly one of path, build and gguf"
     assert schema_problem(toy(grid={"include": [{"seeds": 3}]}), SCHEMA) == (
         "grid.include[0].seeds: unknown key (known: model, estimator, placement, beta, seed, a dotted run-config key "
         "such as train.lr)")
@@ -176,7 +176,8 @@ def test_evaluate_has_no_default_and_its_absence_is_one_clear_error():
         assert str(error.value) == (
             f"{key}: required (the suites or tasks to evaluate every final model on: suites in_domain, out_of_domain, "
             "all, toy; tasks math500, math2, mmlu_college_physics, mmlu_college_chemistry, mmlu_college_biology, "
-            "countdown, arith; for example evaluate: {suites: [toy], data: {arith: <a data entry>}})")
+            "countdown, arith, arith_natural, countdown_natural; for example evaluate: {suites: [toy], data: "
+            "{arith: <a data entry>}})")
     assert load_study(toy(evaluate={"suites": []})).evaluate["suites"] == []  # no evaluation: said, not defaulted
 
 

@@ -26,6 +26,22 @@ def test_arithmetic_is_seeded_and_correct(verifier):
     assert make_task("arithmetic", {"seed": 1}).problem(0) != make_task("arithmetic").problem(0)
 
 
+def test_natural_prompts_ask_in_words_for_a_boxed_answer_and_keep_the_problems(verifier):
+    toy, natural = make_task("arithmetic", {"terms": 3}), make_task("arithmetic", {"terms": 3, "prompt": "natural"})
+    p, q = toy.problem(7), natural.problem(7)
+    assert p.answer == q.answer and p.meta == q.meta  # the same problem, asked another way
+    assert q.question == f"What is {p.meta['expression'].replace('+', ' + ').replace('-', ' - ')}? Put your final " \
+                         "answer within \\boxed{}."
+    assert natural.target(q) == f"\\boxed{{{q.answer}}}" and toy.target(p) == p.answer
+    assert natural.reward([f"So it is \\boxed{{{q.answer}}}.", "\\boxed{1000}"], [q, q], verifier) == [1.0, 0.0]
+    countdown = make_task("countdown", {"prompt": "natural", "count": 2})
+    c = countdown.problem(0)
+    assert c.question.startswith("Using the numbers ") and "\\boxed{}" in c.question
+    assert countdown.reward([f"\\boxed{{{c.answer}}}"], [c], verifier) == [1.0]
+    with pytest.raises(TaskDataError, match="task.options.prompt: 'chat' is not one of toy, natural"):
+        make_task("countdown", {"prompt": "chat"})
+
+
 def test_countdown_problems_are_solvable_and_rewarded(verifier):
     task = make_task("countdown", {"count": 4, "max_number": 12})
     problems = [task.problem(i) for i in range(100)]

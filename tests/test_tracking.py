@@ -3,11 +3,13 @@
 import base64
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from study_fixture import write_run, write_study
@@ -104,22 +106,22 @@ def test_every_axis_is_a_tag_and_runs_synced_before_an_axis_appeared_get_it(tmp_
 def test_a_sync_interrupted_after_creating_a_child_run_is_completed_by_the_next(tmp_path, monkeypatch):
     """A crash between creating a child run and logging its params left a run without params that
     later syncs found and skipped; now the next sync completes it."""
-    import sweep.tracking
+    import sweep.run_sync
 
     results = write_study(tmp_path / "results")
     uri = f"sqlite:///{(results / 'mlflow.db').resolve()}"
-    real_params = sweep.tracking._params
+    real_params = sweep.run_sync._params
 
     def crash(record):
         raise KeyboardInterrupt("the sync was stopped here")
 
-    monkeypatch.setattr(sweep.tracking, "_params", crash)
+    monkeypatch.setattr(sweep.run_sync, "_params", crash)
     with pytest.raises(KeyboardInterrupt):
         sync(results, "fixture")
     (half,), _ = child_runs(uri, "fixture")
     assert half.data.params == {} and "klstudy.set_up" not in half.data.tags
 
-    monkeypatch.setattr(sweep.tracking, "_params", real_params)
+    monkeypatch.setattr(sweep.run_sync, "_params", real_params)
     report = sync(results, "fixture")
     assert report.runs_created == 4  # the interrupted one is completed, not created twice
     children, _ = child_runs(uri, "fixture")
@@ -155,11 +157,12 @@ def free_port():
 
 
 def start_server(tmp_path, port, *extra, env=None):
+    """A real server on 127.0.0.1; its access log (one line per request) in tmp_path/server.log."""
     db, artifacts = tmp_path / "server.db", tmp_path / "artifacts"
     process = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", str(artifacts), *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+        stdout=(tmp_path / "server.log").open("w"), stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -173,8 +176,12 @@ def start_server(tmp_path, port, *extra, env=None):
 
 
 def stop_server(process):
-    os.killpg(process.pid, 15)
-    process.wait(timeout=30)
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # its job consumers can be slow to go on a busy machine
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
 
 
 def rest(port, path, payload=None, headers=None):
@@ -185,12 +192,23 @@ def rest(port, path, payload=None, headers=None):
         return json.loads(response.read())
 
 
-@pytest.fixture
-def server(tmp_path):
-    port = free_port()
-    process = start_server(tmp_path, port)
-    yield port
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One server for the module's tests (each uses a study of its own): its port and access log."""
+    port, directory = free_port(), tmp_path_factory.mktemp("server")
+    process = start_server(directory, port)
+    yield port, directory / "server.log"
     stop_server(process)
+
+
+@pytest.fixture
+def server(served):
+    return served[0]
+
+
+def requests_served(log):
+    """How many requests the server has answered (its access log has a line for each)."""
+    return sum(' HTTP/1.1" ' in line for line in log.read_text().splitlines())
 
 
 def test_sync_into_a_real_mlflow_server_checked_through_its_rest_api(tmp_path, server):
@@ -207,21 +225,25 @@ def test_sync_into_a_real_mlflow_server_checked_through_its_rest_api(tmp_path, s
 
 
 def test_the_study_is_one_click_away_in_a_real_server(tmp_path, server):
-    """What the UI can show, checked through the REST API the UI itself calls: the runs page's
-    search filter lists the grid points with their key metrics, the parent run's note is the results
-    table, and its artifacts hold the tables and figures."""
+    """What the UI can show, checked through the REST API the UI itself calls: the saved view that the
+    link opens filters the grid points, which carry their key metrics; the parent run's note is the
+    results table, and its artifacts hold the tables and figures."""
     from sweep.report import report
-    from sweep.tracking import GRID_POINTS
+    from sweep.study_page import GRID_POINTS
 
     uri = f"http://127.0.0.1:{server}"
     results = write_study(tmp_path / "results")
-    synced = sync(results, "served", uri=uri)
-    report(results, "served", uri)
-    experiment = rest(server, "experiments/get-by-name?experiment_name=klstudy/served")["experiment"]
+    synced = sync(results, "clicked", uri=uri)
+    report(results, "clicked", uri)
+    experiment = rest(server, "experiments/get-by-name?experiment_name=klstudy/clicked")["experiment"]
     experiment_id = experiment["experiment_id"]
     assert synced.runs_page == (f"{uri}/#/experiments/{experiment_id}/runs"
-                                "?searchFilter=tags.%60klstudy.role%60%20%3D%20%27grid-point%27")
+                                "?viewStateShareKey=klstudy-grid-points&workflowType=machine_learning")
     assert {"key": "mlflow.experimentKind", "value": "custom_model_development"} in experiment["tags"]
+    view = json.loads({t["key"]: t["value"] for t in experiment["tags"]}["mlflow.sharedViewState.klstudy-grid-points"])
+    state = json.loads(view["state"])  # what the link opens (tests/test_mlflow_ui.py: what it shows)
+    assert state["searchFilter"] == GRID_POINTS and state["selectedColumns"][-2:] == [
+        "metrics.`eval/all/math500/pass_at_1`", "metrics.`reward_mean`"]
     with urllib.request.urlopen(f"{uri}/", timeout=10) as page:  # the page the URL's fragment opens in
         assert page.status == 200 and b"<html" in page.read().lower()
     shown = rest(server, "runs/search", {"experiment_ids": [experiment_id], "filter": GRID_POINTS,
@@ -232,9 +254,169 @@ def test_the_study_is_one_click_away_in_a_real_server(tmp_path, server):
         assert {"reward_mean", "eval/all/math500/pass_at_1"} <= metrics
     parent = rest(server, f"runs/get?run_id={synced.parent_run_id}")["run"]
     note = {t["key"]: t["value"] for t in parent["data"]["tags"]}["mlflow.note.content"]
-    assert note.startswith("# served") and (results / "tables" / "results.md").read_text() in note
+    assert note.startswith("# clicked") and (results / "tables" / "results.md").read_text() in note
     artifacts = rest(server, f"artifacts/list?run_id={synced.parent_run_id}&path=tables")["files"]
     assert "tables/results.md" in {a["path"] for a in artifacts}
+
+
+def test_a_followers_round_syncs_its_own_runs_and_one_with_nothing_new_asks_the_server_nothing(tmp_path, served):
+    """A training job's follower syncs its runs, not the study: one round on a finished run creates its
+    child only, and a round with nothing new sends no request (the run's synced-state record and its
+    files agree). It used to sync every run of the study each round, 4 requests per run when nothing
+    was new."""
+    from sweep.tracking import follow
+
+    port, log = served
+    uri = f"http://127.0.0.1:{port}"
+    results = write_study(tmp_path / "results")
+    own = write_run(results, "toy__k2-loss__b0.05__s0", "k2", "loss", 0.05, 0, [0.2, 0.3, 0.4, 0.5], {},
+                    complete=False)  # training
+    follow(results, "own", own, uri, interval=0, max_wait=0)  # one round
+    children, parents = child_runs(uri, "own")
+    assert [r.data.tags["klstudy.run_id"] for r in children] == [own.name] and len(parents) == 1
+    history = client(uri).get_metric_history(children[0].info.run_id, "reward_mean")
+    assert sorted(m.step for m in history) == [0, 1, 2, 3]
+    before = requests_served(log)
+    follow(results, "own", own, uri, interval=0, max_wait=0)
+    assert requests_served(log) == before
+
+    with (own / "metrics.jsonl").open("a") as handle:  # a new step: one batch
+        handle.write(json.dumps({"step": 4, "reward_mean": 0.9, "step_time": 2.0}) + "\n")
+    before = requests_served(log)
+    sync(results, "own", uri, runs=[own])
+    assert requests_served(log) - before == 1
+    assert sorted(m.step for m in client(uri).get_metric_history(children[0].info.run_id, "reward_mean")) == \
+        [0, 1, 2, 3, 4]
+
+
+# Each process sees its own flock granted, as on nodes whose shared file system locks node-locally
+# (Lustre's localflock) or not at all; the processes start their syncs at the same instant.
+NO_SHARED_LOCK = """
+import fcntl, runpy, sys, time
+fcntl.flock = lambda *args: None
+import mlflow.tracking, sweep.tracking
+time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
+sys.argv = ["sweep", *sys.argv[2:]]
+runpy.run_module("sweep", run_name="__main__")
+"""
+
+
+def test_processes_syncing_the_same_runs_at_once_without_a_shared_lock_make_one_child_and_log_each_step_once(
+        tmp_path, served):
+    """No correctness rests on a lock shared across nodes: each run's child is the one whose claim was
+    published first, and a step logged twice is the same row. The flock used to be the only guard:
+    without it, two syncs created two children of a run, or logged its steps twice."""
+    port, _ = served
+    uri = f"http://127.0.0.1:{port}"
+    results = tmp_path / "results"
+    for i in range(8):
+        write_run(results, f"par__s{i}", "k2", "loss", 0.1, i, [0.1 * j for j in range(30)], {"math500": 0.1})
+    start = time.time() + 20  # every process has imported MLflow by then
+    processes = [subprocess.Popen([sys.executable, "-c", NO_SHARED_LOCK, str(start), "track", "--results",
+                                   str(results), "--study", "nolock", "--uri", uri],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for p in processes:
+        assert p.wait(timeout=300) == 0, p.stderr.read()[-3000:]
+    children, parents = child_runs(uri, "nolock")
+    assert len(parents) == 1
+    assert sorted(r.data.tags["klstudy.run_id"] for r in children) == [f"par__s{i}" for i in range(8)]
+    for run in children:
+        steps = [m.step for m in client(uri).get_metric_history(run.info.run_id, "reward_mean")]
+        assert sorted(steps) == list(range(30)), run.data.tags["klstudy.run_id"]
+
+
+def test_the_track_job_checks_each_run_against_the_server_and_rebuilds_what_it_lost(tmp_path, served):
+    """Records can be wrong (the server's store was replaced, a child run deleted in the UI): the track
+    job checks each one with one request and rebuilds what is missing; followers trust them."""
+    port, log = served
+    uri = f"http://127.0.0.1:{port}"
+    results = write_study(tmp_path / "results")
+    first = sync(results, "lost", uri)
+    assert first.runs_created == 5
+    before = requests_served(log)
+    again = sync(results, "lost", uri)  # nothing new: one request per run, the study's, its saved views'
+    assert (again.runs_created, again.steps_logged, again.evals_logged) == (0, 0, 0)
+    assert requests_served(log) - before == 5 + 1 + 1
+    gone = first.child_run_ids["toy__k1-reward__b0.05__s0"]
+    client(uri).delete_run(gone)
+    rebuilt = sync(results, "lost", uri)
+    assert rebuilt.runs_created == 1 and rebuilt.steps_logged == 4 and rebuilt.evals_logged == 1
+    children, _ = child_runs(uri, "lost")
+    assert len(children) == 5 and gone not in {r.info.run_id for r in children}
+    run = next(r for r in children if r.data.tags["klstudy.run_id"] == "toy__k1-reward__b0.05__s0")
+    assert run.data.params["objective.placement"] == "reward" and run.info.status == "FINISHED"
+    assert run.data.metrics["eval/all/math500/pass_at_1"] == 0.5
+
+
+def test_an_unreachable_server_is_one_clear_error(tmp_path):
+    results = write_study(tmp_path / "results")
+    env = dict(os.environ, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+    done = subprocess.run([sys.executable, "-m", "sweep", "track", "--results", str(results), "--study", "x",
+                           "--uri", f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "does not answer (connection refused): start it, or point tracking.uri" in done.stderr
+
+
+LIVE_STUDY = {
+    "study": "live-uri",
+    "grid": {"estimators": ["k1"], "placements": ["reward"], "betas": [0.1], "seeds": [0], "baseline": False},
+    "run": {"task": {"name": "arithmetic", "options": {"max_operand": 9}}, "rollout": {"max_new_tokens": 4},
+            "train": {"steps": 3, "prompts_per_step": 4, "group_size": 4}},
+    "data": {"heldout": {"task": "arithmetic", "options": {"max_operand": 9, "seed": 1}, "n": 10}},
+    "evaluate": {"suites": ["toy"], "samples": 2, "data": {"arith": "heldout"}},
+}
+REPO = Path(__file__).resolve().parent.parent
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--profile",
+             str(REPO / "profiles" / "local"), "--cores", "2"]
+
+
+def live_study(directory, model, **tracking):
+    config = json.loads(json.dumps(LIVE_STUDY)) | {"models": {"toy": {"path": str(model)}}}
+    if tracking:
+        config["tracking"] = tracking
+    path = directory / "study.yaml"
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_the_study_configs_tracking_uri_drives_the_training_jobs_followers(warm_model, tmp_path, served):
+    """tracking.uri, not only MLFLOW_TRACKING_URI, starts each training job's follower, and wins over the
+    variable (here pointing at a port where nothing listens). The study is opened before training starts.
+    Only the training job runs: the run's steps in MLflow are the follower's. The key used to reach the
+    track and report jobs only; with it alone, there were no live curves."""
+    port, _ = served
+    uri = f"http://127.0.0.1:{port}"
+    config = live_study(tmp_path, warm_model, uri=uri)
+    name = "toy__k1-reward__b0.1__s0"
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}")
+    done = subprocess.run([*SNAKEMAKE, f"results/runs/{name}/COMPLETE", "--directory", str(tmp_path), "--configfile",
+                           str(config)], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    children, parents = child_runs(uri, "live-uri")
+    assert len(parents) == 1 and [r.data.tags["klstudy.run_id"] for r in children] == [name]
+    steps = client(uri).get_metric_history(children[0].info.run_id, "reward_mean")
+    assert sorted(m.step for m in steps) == [0, 1, 2] and children[0].info.status == "FINISHED"
+    started = (tmp_path / "results" / "runs" / name / "config.yaml").stat().st_mtime * 1000
+    assert parents[0].info.start_time <= started  # opened before the training job began
+    assert "MLflow, the study's runs (live): " + uri in done.stderr
+
+
+def test_without_tracking_uri_the_variable_starts_followers_and_without_either_none_start(toy_model, tmp_path):
+    """The precedence: tracking.uri, else MLFLOW_TRACKING_URI (read in the job, which checks that it has
+    it), else no follower (the track job syncs into results/mlflow.db at the end)."""
+    config = live_study(tmp_path, toy_model)  # a dry run too checks that the model is there
+    base = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    shown = {}
+    for label, env in (("variable", base | {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}), ("none", base)):
+        dry = subprocess.run([*SNAKEMAKE, "--directory", str(tmp_path), "--configfile", str(config), "-n", "-p"],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert dry.returncode == 0, dry.stderr[-3000:]
+        shown[label] = dry.stdout + dry.stderr
+    assert 'if [ -n "${MLFLOW_TRACKING_URI:-}" ]; then' in shown["variable"]
+    assert "--study live-uri --follow results/runs/toy__k1-reward__b0.1__s0" in shown["variable"]
+    assert "--follow" not in shown["none"] and "sweep track --results results --study live-uri" in shown["none"]
 
 
 PASSWORD = "s3cret-Pass-8817"

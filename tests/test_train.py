@@ -378,3 +378,26 @@ def test_a_model_with_dropout_trains_without_it(warm_model, tmp_path):
     line = run.run_step()
     run.verifier.close()
     assert line["kl_k1"] == 0.0 and line["kl_k3"] == 0.0
+
+
+def test_an_on_policy_update_makes_the_trainers_logprobs_of_the_samples_in_its_own_pass(warm_model, tmp_path,
+                                                                                        monkeypatch):
+    """One update over the whole batch with the sampler's weights: its first pass stands in for a pass of its
+    own after generation, one forward pass less per step, and every metric and weight is the same."""
+    config = run_config.load(None, overrides(warm_model, **{"objective.estimator": "k3",
+                                                          "objective.placement": "loss"}))
+    passes = []
+
+    def run(out):
+        trainer = Run(config, tmp_path / out)
+        hook = trainer.lm.model.register_forward_pre_hook(lambda module, args: passes.append(out))
+        lines = [_comparable([trainer.run_step()]) for _ in range(2)]
+        hook.remove()
+        trainer.verifier.close()
+        return lines, [p.detach().clone() for p in trainer.lm.parameters()]
+
+    lines, weights = run("one-pass")
+    monkeypatch.setattr(Run, "_update_makes_trainer_logprobs", lambda self: False, raising=False)
+    separate_lines, separate_weights = run("own-pass")
+    assert lines == separate_lines and all(torch.equal(a, b) for a, b in zip(weights, separate_weights, strict=True))
+    assert passes.count("own-pass") - passes.count("one-pass") == 2  # the policy's passes (the engine's too)

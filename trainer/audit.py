@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import Tensor
 
-from trainer import estimators, tabular
+from trainer import estimators, placements, tabular
 from trainer.objective import ObjectiveConfig, compute_loss
 from trainer.placements import KL_PLACEMENTS
 from trainer.progress import progress_bar
+from trainer.tabular import one_thread
 
 
 def theory_on_policy(estimator: str, placement: str, ratio: str) -> str:
@@ -72,13 +73,16 @@ def _group_losses(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
     full = config.needs_full_kl
     token_kl = space.token_kl(theta, inst.ref_logits) if full else None
     sampler_token_kl = space.token_kl(sampler_logits, inst.ref_logits) if full else None
+    entropy = space.token_entropy(theta) if config.entropy_coef else None
+    engine = engine_mismatch or config.needs_engine_logp  # the sampler is the engine (exact unless mismatched)
     losses = []
     for rows in groups:
         old = sampler_token_logp[rows] if off_policy else None
-        engine = sampler_token_logp[rows] if engine_mismatch else None
         loss, _ = compute_loss(logp[rows], ref_logp[rows], old, inst.rewards[rows], mask, group_size, config,
-                               engine_logp=engine, token_kl=None if token_kl is None else token_kl[rows],
-                               old_token_kl=sampler_token_kl[rows] if full and off_policy else None)
+                               engine_logp=sampler_token_logp[rows] if engine else None,
+                               token_kl=None if token_kl is None else token_kl[rows],
+                               old_token_kl=sampler_token_kl[rows] if full and off_policy else None,
+                               entropy=None if entropy is None else entropy[rows])
         losses.append(loss)
     return theta, losses, weights
 
@@ -94,17 +98,20 @@ def expected_gradient(inst: AuditInstance, config: ObjectiveConfig, group_size: 
     Exact: every ordered group of `group_size` sequences is enumerated and weighted by its
     probability; sampling itself is not differentiated, as in training.
     """
-    theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch)
-    (grad,) = torch.autograd.grad(sum(w * loss for w, loss in zip(weights, losses, strict=True)), theta)
+    with one_thread():
+        theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch)
+        (grad,) = torch.autograd.grad(sum(w * loss for w, loss in zip(weights, losses, strict=True)), theta)
     return grad
 
 
 def group_gradients(inst: AuditInstance, config: ObjectiveConfig, group_size: int, off_policy: bool,
-                    groups: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    groups: Tensor | None = None, engine_mismatch: bool = False) -> tuple[Tensor, Tensor]:
     """The gradient of compute_loss on each ordered group, [groups, *theta], and each group's
-    probability: the exact distribution of the sampled gradient of one group."""
-    theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, False)
-    grads = [torch.autograd.grad(loss, theta, retain_graph=True)[0] for loss in losses]
+    probability: the exact distribution of the sampled gradient of one group (`engine_mismatch` as in
+    `expected_gradient`)."""
+    with one_thread():
+        theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch)
+        grads = [torch.autograd.grad(loss, theta, retain_graph=True)[0] for loss in losses]
     return torch.stack(grads), weights
 
 
@@ -189,8 +196,14 @@ class GradientRow:
         return self.theory in self.verdict.split(" = ")
 
 
-def audit_configs() -> list[tuple[str, str, str, str, str]]:
-    """(sampling, estimator, placement, kl_loss_ratio, pg_ratio) for every audited configuration.
+def _in_loss(placement: str) -> bool:
+    return placements.REGISTRY[placement].in_loss
+
+
+def audit_configs(only_estimators: tuple[str, ...] | None = None, only_placements: tuple[str, ...] | None = None
+                  ) -> list[tuple[str, str, str, str, str]]:
+    """(sampling, estimator, placement, kl_loss_ratio, pg_ratio) for every audited configuration (of the
+    given estimators and placements only, when given).
 
     The KL-loss weighting only matters for placements with a KL loss. On-policy the detached and
     sequence weights are exactly the unweighted loss (tested), so only the differentiable one gets
@@ -199,18 +212,19 @@ def audit_configs() -> list[tuple[str, str, str, str, str]]:
     ratio on each KL-loss token.
     """
     rows = []
-    names = estimators.REGISTRY.names
+    names = [e for e in estimators.REGISTRY.names if only_estimators is None or e in only_estimators]
+    kl_placements = [p for p in KL_PLACEMENTS if only_placements is None or p in only_placements]
     for estimator in names:
-        for placement in KL_PLACEMENTS:
-            ratios = ("none",) if placement == "reward" else ("none", "differentiable")
+        for placement in kl_placements:
+            ratios = ("none", "differentiable") if _in_loss(placement) else ("none",)
             rows.extend(("on-policy", estimator, placement, ratio, "token") for ratio in ratios)
     for estimator in names:
-        for placement in KL_PLACEMENTS:
-            ratios = ("none",) if placement == "reward" else ("none", "detached", "differentiable")
+        for placement in kl_placements:
+            ratios = ("none", "detached", "differentiable") if _in_loss(placement) else ("none",)
             rows.extend(("off-policy", estimator, placement, ratio, "token") for ratio in ratios)
     for estimator in names:
-        for placement in KL_PLACEMENTS:
-            rows.append(("off-policy", estimator, placement, "none" if placement == "reward" else "sequence",
+        for placement in kl_placements:
+            rows.append(("off-policy", estimator, placement, "sequence" if _in_loss(placement) else "none",
                          "sequence"))
     return rows
 
@@ -222,7 +236,7 @@ def theory_of(sampling: str, estimator: str, placement: str, ratio: str, pg_rati
         return ""
     if sampling == "on-policy":
         return theory_on_policy(estimator, placement, ratio)
-    if pg_ratio == "sequence" and (placement == "reward" or ratio == "sequence"):
+    if pg_ratio == "sequence" and (not _in_loss(placement) or ratio == "sequence"):
         return theory_on_policy(estimator, placement, "none")
     return ""
 
@@ -239,16 +253,19 @@ class GradientAudit:
 
 def gradient_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: tuple[int, ...] = (0, 1, 2),
                    beta: float = 0.1, advantage: str = "rloo", tol: float = 1e-6,
-                   progress: bool | None = None, clip_ratio_c: float | None = None) -> GradientAudit:
-    """Run the exact gradient audit for every configuration on every seed (with `clip_ratio_c`, under
-    the dual clip: what it changes shows in the off-policy rows)."""
+                   progress: bool | None = None, clip_ratio_c: float | None = None,
+                   only_estimators: tuple[str, ...] | None = None,
+                   only_placements: tuple[str, ...] | None = None) -> GradientAudit:
+    """Run the exact gradient audit for every configuration (of the given estimators and placements, when
+    given) on every seed (with `clip_ratio_c`, under the dual clip: what it changes shows in the off-policy
+    rows)."""
     # The reward's KL from the policy being differentiated, pi, in every row: the rows then differ only in
     # their importance weights. (From mu, the trainer's default off-policy, the reward term gains exactly
     # -grad KL(pi || mu): tests/test_kl_identities.py.)
     base = ObjectiveConfig(placement="none", beta=beta, advantage=advantage, clip_ratio_c=clip_ratio_c,
                            reward_kl="current")
     bases = {"token": base, "sequence": replace(base, pg_ratio="sequence", clip_ratio_c=None)}  # no token clip
-    configs = audit_configs()
+    configs = audit_configs(only_estimators, only_placements)
     per_config: dict[tuple, list[dict[str, object]]] = {c: [] for c in configs}
     samplings = {"on-policy": ("on-policy", "token"), "off-policy": ("off-policy", "token"),
                  "off-policy, sequence ratio": ("off-policy", "sequence")}
@@ -345,7 +362,7 @@ def gradient_table_markdown(audit: GradientAudit) -> str:
     ]
     for row in audit.rows:
         mark = {True: f"{row.theory} (agrees)", False: f"{row.theory} (DISAGREES)", None: ""}[row.agrees]
-        ratio = row.kl_loss_ratio if row.placement != "reward" else "-"
+        ratio = row.kl_loss_ratio if _in_loss(row.placement) else "-"
         on_policy = f"{row.err_on_policy:.1e}" if row.sampling == "off-policy" else "-"
         lines.append(
             f"| {row.sampling} | {row.estimator} | {row.placement} | {ratio} | {row.pg_ratio} | {row.norm_ratio:.3f} "

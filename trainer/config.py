@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from trainer.choices import ENGINES, LR_SCHEDULES, MIXED_PRECISIONS, TASK_NAMES
+from trainer import presets
+from trainer.choices import ENGINES, HF_DECODINGS, LR_SCHEDULES, MIXED_PRECISIONS, TASK_NAMES
 from trainer.objective_config import ObjectiveConfig
 
 
@@ -47,6 +48,7 @@ class RolloutConfig:
     max_new_tokens: int = 16
     stop: tuple[str, ...] = ()
     recompute_logprobs: bool = False  # behaviour log-probs from the trainer instead of the engine
+    hf_decoding: str = "auto"       # hf only: auto (compiled on CUDA) | eager | compiled (trainer.rollout.decoding)
     # vllm only (trainer.rollout.vllm): a colocated engine per training process
     vllm_gpu_memory_utilization: float = 0.3  # share of each GPU for vLLM's weights and KV cache
     vllm_tensor_parallel_size: int = 1        # GPUs (training processes) one engine spans
@@ -181,6 +183,10 @@ def _section(cls: type, data: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     _reject_unknown(cls, data, prefix)
+    if cls is ObjectiveConfig and data.get("preset") is not None:  # the preset's values under the keys given
+        if data["preset"] not in presets.REGISTRY:
+            raise ConfigError(f"objective.preset: {data['preset']!r} is not one of {', '.join(presets.NAMES)}")
+        data = presets.expand(data)
     values = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in data.items()}
     try:
         return cls(**values)
@@ -209,6 +215,8 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"task.name: {config.task.name!r} is not one of {', '.join(TASK_NAMES)}")
     if r.engine not in ENGINES:
         raise ConfigError(f"rollout.engine: {r.engine!r} is not one of {', '.join(ENGINES)}")
+    if r.hf_decoding not in HF_DECODINGS:
+        raise ConfigError(f"rollout.hf_decoding: {r.hf_decoding!r} is not one of {', '.join(HF_DECODINGS)}")
     if t.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"train.lr_schedule: {t.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
     positive = {"train.steps": t.steps, "train.prompts_per_step": t.prompts_per_step,
@@ -241,6 +249,9 @@ def validate(config: RunConfig) -> None:
     if config.objective.needs_full_kl and t.logprob_chunk == 0:
         raise ConfigError(f"train.logprob_chunk: estimator {config.objective.estimator} computes the KL over the "
                           "vocabulary a chunk of tokens at a time; set a chunk > 0 (0 would build [B, T, V] logits)")
+    if config.objective.entropy_coef and t.logprob_chunk == 0:
+        raise ConfigError("train.logprob_chunk: objective.entropy_coef computes the exact entropy a chunk of tokens "
+                          "at a time; set a chunk > 0 (0 would build [B, T, V] logits)")
     if t.prompts_per_step % t.minibatches:
         raise ConfigError(f"train.minibatches: {t.minibatches} does not divide prompts_per_step "
                           f"{t.prompts_per_step} (minibatches hold whole groups)")

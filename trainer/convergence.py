@@ -18,6 +18,7 @@ from trainer import estimators, tabular
 from trainer.objective import ObjectiveConfig, compute_loss
 from trainer.placements import KL_PLACEMENTS
 from trainer.progress import progress_bar
+from trainer.tabular import one_thread
 
 
 def on_policy_configs(beta: float, advantage: str) -> dict[str, ObjectiveConfig]:
@@ -67,31 +68,32 @@ def convergence_audit(vocab: int = 3, length: int = 2, group_size: int = 4, grou
     eval_steps = [s for s in range(steps + 1) if s % eval_every == 0 or s == steps]
     curves: dict[str, list[float]] = {}
     bar = progress_bar(len(configs) * steps, "convergence audit", progress)
-    for label, config in configs.items():
-        theta = ref_logits.clone().requires_grad_(True)
-        optimizer = torch.optim.Adam([theta], lr=lr)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_floor ** (s / steps))
-        sampler = torch.Generator().manual_seed(seed + 1)
-        curve = []
-        for step in range(steps + 1):
-            if step in eval_steps:
+    with one_thread():  # tiny tensors: intra-op threads only contend
+        for label, config in configs.items():
+            theta = ref_logits.clone().requires_grad_(True)
+            optimizer = torch.optim.Adam([theta], lr=lr)
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_floor ** (s / steps))
+            sampler = torch.Generator().manual_seed(seed + 1)
+            curve = []
+            for step in range(steps + 1):
+                if step in eval_steps:
+                    with torch.no_grad():
+                        curve.append(float(tabular.sequence_kl(space, theta, target)))
+                if step == steps:
+                    break
+                token_logp = space.token_logp(theta)
                 with torch.no_grad():
-                    curve.append(float(tabular.sequence_kl(space, theta, target)))
-            if step == steps:
-                break
-            token_logp = space.token_logp(theta)
-            with torch.no_grad():
-                probs = token_logp.sum(-1).exp()
-                rows = torch.multinomial(probs, batch, replacement=True, generator=sampler)
-            token_kl = space.token_kl(theta, ref_logits)[rows] if config.needs_full_kl else None
-            loss, _ = compute_loss(token_logp[rows], ref_token_logp[rows], None, rewards[rows], mask,
-                                   group_size, config, token_kl=token_kl)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            bar.update()
-        curves[label] = curve
+                    probs = token_logp.sum(-1).exp()
+                    rows = torch.multinomial(probs, batch, replacement=True, generator=sampler)
+                token_kl = space.token_kl(theta, ref_logits)[rows] if config.needs_full_kl else None
+                loss, _ = compute_loss(token_logp[rows], ref_token_logp[rows], None, rewards[rows], mask,
+                                       group_size, config, token_kl=token_kl)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                bar.update()
+            curves[label] = curve
     bar.close()
     setup = {"vocab": vocab, "length": length, "group_size": group_size, "groups_per_step": groups_per_step,
              "steps": steps, "beta": beta, "lr": lr, "lr_floor": lr_floor, "seed": seed, "advantage": advantage,

@@ -149,6 +149,15 @@ def full_state_dict(module: torch.nn.Module, prefix: str = "") -> dict[str, torc
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
+def load_full_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor], prefix: str = "") -> None:
+    """Load a `full_state_dict` (names without `prefix`) into `module`, sharded or not (every process reads
+    the same file, so nothing is broadcast)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, {prefix + k: v for k, v in state.items()},
+                         options=StateDictOptions(full_state_dict=True, strict=True))
+
+
 def full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's whole state keyed by parameter name (the same for any number of processes)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

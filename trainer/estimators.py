@@ -5,6 +5,9 @@ With the token log-ratio l = log pi_theta - log pi_ref of a sampled token (KL_TH
     k1 = l              unbiased, high variance, can be negative
     k2 = l**2 / 2       biased, second-order match to the KL
     k3 = r - 1 + l      r = exp(-l): unbiased, never negative, low variance
+    k3+                 k3's value with k2's gradient (verl's `+` suffix, a straight-through
+                        estimate: the value is detached, k2's gradient l * grad log pi is added,
+                        from the unclamped log-ratio: clamps bound its value, never its gradient)
     full                the exact next-token KL(pi(.|y_<t) || pi_ref(.|y_<t)), summed over the
                         vocabulary from both models' hidden states (trainer.full_kl): no sampling
                         noise at the token (Rao-Blackwellised; Amini, Vieira and Cotterell 2025)
@@ -35,6 +38,10 @@ class Estimator:
     formula: Callable[[Any, float], Any] | None = None  # (l, k3's exponent bound) -> estimate, SAMPLED only
     clamps: bool = False                                 # the formula bounds an exponent (trainer.kl)
     token_dependent: bool = True  # the term at t depends on y_t itself (off-policy weights run through it)
+    logged: bool = True           # its value is logged as kl_<name> (not when it repeats another's value)
+    # (l, bound) -> the term whose gradient the estimate takes instead of its own (a straight-through
+    # estimate: the formula's value, detached and clamped as configured, plus this term's gradient)
+    gradient_of: Callable[[Any, float], Any] | None = None
     theory: dict[tuple[str, str], str] = field(default_factory=dict)
     color: str = "tab:gray"
     marker: str = "X"
@@ -48,24 +55,44 @@ REGISTRY: Registry[Estimator] = Registry("KL estimator")
 
 REGISTRY.register(Estimator(
     "k1", "l", formula=lambda lr, bound: lr,
-    theory={("reward", "none"): "unbiased", ("loss", "none"): "zero", ("reward+loss", "none"): "unbiased"},
+    theory={("reward", "none"): "unbiased", ("loss", "none"): "zero", ("reward+loss", "none"): "unbiased",
+            ("loss", "differentiable"): "per-prefix reverse", ("reward-to-go", "none"): "unbiased",
+            ("reward-to-go+loss", "none"): "unbiased", ("reward-token", "none"): "per-prefix reverse"},
     color="tab:blue", marker="o"))
 REGISTRY.register(Estimator(
     "k2", "l^2 / 2", formula=lambda lr, bound: 0.5 * lr.square(),
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
-            ("reward+loss", "none"): "biased"},
+            ("reward+loss", "none"): "biased", ("reward-to-go", "none"): "biased",
+            ("reward-to-go+loss", "none"): "biased", ("reward-token", "none"): "biased"},
     color="tab:orange", marker="s"))
-# (exp(-l) - 1) + l, the exponent clamped at `bound`; expm1 keeps precision for small |l|
+
+
+def _k3(lr, bound):
+    """(exp(-l) - 1) + l, the exponent clamped at `bound`; expm1 keeps precision for small |l|."""
+    return (-lr).clamp(max=bound).expm1() + lr
+
+
 REGISTRY.register(Estimator(
-    "k3", "exp(-l) - 1 + l", formula=lambda lr, bound: (-lr).clamp(max=bound).expm1() + lr, clamps=True,
+    "k3", "exp(-l) - 1 + l", formula=_k3, clamps=True,
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix forward",
-            ("reward+loss", "none"): "unbiased", ("loss", "differentiable"): "per-prefix reverse"},
+            ("reward+loss", "none"): "unbiased", ("loss", "differentiable"): "per-prefix reverse",
+            ("reward-to-go", "none"): "biased", ("reward-to-go+loss", "none"): "unbiased",
+            ("reward-token", "none"): "biased"},
     color="tab:green", marker="^"))
+REGISTRY.register(Estimator(
+    "k3+", "k3's value, k2's gradient", formula=_k3, gradient_of=lambda lr, bound: 0.5 * lr.square(), clamps=True,
+    logged=False,
+    theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
+            ("reward+loss", "none"): "biased", ("reward-to-go", "none"): "biased",
+            ("reward-to-go+loss", "none"): "biased", ("reward-token", "none"): "biased"},
+    color="tab:olive", marker="v"))
 REGISTRY.register(Estimator(
     "full", "sum_v pi(v) log(pi(v) / pi_ref(v))", inputs=FULL, token_dependent=False,
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
             ("reward+loss", "none"): "unbiased", ("loss", "differentiable"): "per-prefix reverse",
-            ("reward+loss", "differentiable"): "unbiased"},
+            ("reward+loss", "differentiable"): "unbiased", ("reward-to-go", "none"): "biased",
+            ("reward-to-go+loss", "none"): "unbiased", ("reward-token", "none"): "zero"},
     color="tab:red", marker="D"))
 
 SAMPLED_ESTIMATORS = tuple(e.name for e in REGISTRY if e.inputs == SAMPLED)
+LOGGED_ESTIMATORS = tuple(e.name for e in REGISTRY if e.inputs == SAMPLED and e.logged)  # kl_<name> statistics

@@ -10,6 +10,11 @@ or an input's, since the gradient flows back in the input dtype: e^10 for float1
 and bfloat16), so values and gradients are unchanged wherever exp(-l) is finite. A token beyond
 the bound keeps a finite value and loses only the gradient of its exp(-l) part (its gradient
 coefficient becomes 1, as for k1). `clamped` reports which tokens those are.
+
+The RL libraries clamp further, and so can klstudy, to reproduce them (`objective.kl_log_ratio_clamp`,
+`objective.kl_value_clamp`; off by default): the log-ratio l to [-c, c] before the estimator, and the
+estimate to [-v, v] after it. A clamp that binds zeroes the gradient through it, which changes what
+a configuration differentiates (docs/peers.md); `clamped` counts those tokens too.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import math
 import torch
 from torch import Tensor
 
-from trainer.estimators import FULL, REGISTRY, SAMPLED_ESTIMATORS, Estimator
+from trainer.estimators import FULL, LOGGED_ESTIMATORS, REGISTRY, SAMPLED_ESTIMATORS, Estimator
 
-__all__ = ["SAMPLED_ESTIMATORS", "clamped", "compute_dtype", "estimate", "log_ratio", "max_exponent"]
+__all__ = ["LOGGED_ESTIMATORS", "SAMPLED_ESTIMATORS", "clamped", "compute_dtype", "estimate", "log_ratio",
+           "max_exponent"]
 
 # exp(x) - 1 + x stays finite for x up to log(finfo.max) minus this margin.
 _EXP_MARGIN = 1.0
@@ -53,22 +59,39 @@ def log_ratio(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return logp.to(dtype) - ref_logp.to(dtype)
 
 
-def clamped(estimator: str, logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """Boolean mask of the tokens whose estimate `estimate` clamps (only k3 ever clamps)."""
+def clamped(estimator: str, logp: Tensor, ref_logp: Tensor, log_ratio_clamp: float | None = None,
+            value_clamp: float | None = None) -> Tensor:
+    """Boolean mask of the tokens whose estimate `estimate` clamps: against overflow (only k3 ever), or
+    by the given clamps of the log-ratio and the value."""
     spec = _sampled(estimator)
     lr = log_ratio(logp.detach(), ref_logp.detach())
-    if not spec.clamps:
-        return torch.zeros_like(lr, dtype=torch.bool)
-    return -lr > max_exponent(lr.dtype, logp.dtype, ref_logp.dtype)
+    cut = torch.zeros_like(lr, dtype=torch.bool)
+    if spec.clamps:
+        cut = -lr > max_exponent(lr.dtype, logp.dtype, ref_logp.dtype)
+    if log_ratio_clamp is not None:
+        cut = cut | (lr.abs() > log_ratio_clamp)
+    if value_clamp is not None:
+        cut = cut | (estimate(estimator, logp.detach(), ref_logp.detach(), log_ratio_clamp).abs() > value_clamp)
+    return cut
 
 
-def estimate(estimator: str, logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """Elementwise KL estimate of the sampled-token estimator `estimator` (k1, k2, k3).
+def estimate(estimator: str, logp: Tensor, ref_logp: Tensor, log_ratio_clamp: float | None = None,
+             value_clamp: float | None = None) -> Tensor:
+    """Elementwise KL estimate of the sampled-token estimator `estimator` (k1, k2, k3, k3+).
 
     `logp` and `ref_logp` are the log-probabilities of the sampled tokens under the policy and
     the reference; gradients flow through both. The result has their broadcast shape and is
-    computed in float32 (float64 when an input is float64).
+    computed in float32 (float64 when an input is float64). With `log_ratio_clamp` c, l is clamped to
+    [-c, c] first; with `value_clamp` v, the estimate to [-v, v] (verl, NeMo-RL, OpenRLHF, SkyRL).
     """
     spec = _sampled(estimator)
-    lr = log_ratio(logp, ref_logp)
-    return spec.formula(lr, max_exponent(lr.dtype, logp.dtype, ref_logp.dtype))
+    raw = log_ratio(logp, ref_logp)
+    bound = max_exponent(raw.dtype, logp.dtype, ref_logp.dtype)
+    lr = raw if log_ratio_clamp is None else raw.clamp(-log_ratio_clamp, log_ratio_clamp)
+    value = spec.formula(lr, bound)
+    if value_clamp is not None:
+        value = value.clamp(-value_clamp, value_clamp)
+    if spec.gradient_of is None:
+        return value
+    surrogate = spec.gradient_of(raw, bound)  # straight through: the value, and the surrogate's gradient
+    return (value - surrogate).detach() + surrogate

@@ -32,7 +32,7 @@ import torch
 import yaml
 
 from eval.verify import Verifier, VerifierUnavailable
-from trainer import checkpoint
+from trainer import checkpoint, entropy_bonus, kl, reference_refresh
 from trainer.config import ConfigError, RunConfig, from_dict
 from trainer.distributed import (
     World,
@@ -40,14 +40,18 @@ from trainer.distributed import (
     full_parameters,
     full_state_dict,
     grad_norm,
+    load_full_state_dict,
     load_optimizer_state,
     shard,
 )
 from trainer.dropout import disable_dropout
 from trainer.full_kl import HeadInputs
+from trainer.kl_coefficient import KLCoefficient
+from trainer.lease import Lease
 from trainer.logprobs import CompletionLogprobs, PackedBatch, pack, states_of_rows, token_matrix
 from trainer.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
 from trainer.objective import Advantages, advantage_stats, batch_advantages, combine_stats, policy_loss, reward_kl
+from trainer.objective_config import ObjectiveConfig
 from trainer.objective_measure import ObjectiveProbe
 from trainer.progress import progress_bar
 from trainer.rollout import make_engine
@@ -74,7 +78,9 @@ class PendingBatch:
     """Rollouts and their rewards, generated ahead of the step that trains on them when async_level > 0.
 
     trainer_logprobs  the trainer's log-probs of the sampled tokens under the policy that sampled
-                      them (computed right after generation); rollouts.logprobs are the engine's
+                      them (computed right after generation; None where the step's update computes
+                      them in its first pass, `Run._update_makes_trainer_logprobs`); rollouts.logprobs
+                      are the engine's
     trainer_token_kl  the exact KL(pi || pi_ref) over the vocabulary at each sampled position, under
                       the policy that sampled (only where estimator full shapes the reward)
     reference         the reference's log-probs and completion states of the batch, from the pass that
@@ -85,7 +91,7 @@ class PendingBatch:
     policy_step: int
     rollouts: Rollouts
     rewards: list[float]
-    trainer_logprobs: list[list[float]]
+    trainer_logprobs: list[list[float]] | None
     trainer_token_kl: list[list[float]] | None = None
     reference: tuple[torch.Tensor, HeadInputs] | None = field(default=None, repr=False)
 
@@ -199,9 +205,21 @@ def _check_world(config: RunConfig, world: World) -> None:
     if world.sharded and config.objective.needs_full_kl:
         raise ConfigError(f"objective.estimator: {config.objective.estimator} reads the reference's output layer "
                           "outside its forward pass, which FSDP shards: run it in one process")
+    if world.sharded and config.objective.entropy_coef:
+        raise ConfigError("objective.entropy_coef: the exact entropy reads the output layer outside the forward "
+                          "pass, which FSDP shards: run it in one process")
     if config.measure.prompts % world.size:
         raise ConfigError(f"measure.prompts: {config.measure.prompts} held-out prompts do not split evenly over "
                           f"{world.size} processes")
+
+
+def _stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-response values [B] or per-token ones [B_i, T_i] of several processes, as one batch (per-token
+    rows padded with 0 to the widest: each process packs its own completions)."""
+    if parts[0].dim() == 1:
+        return torch.cat(parts)
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
 
 class Run:
@@ -212,12 +230,15 @@ class Run:
         self.config, self.out, self.world = config, Path(out_dir), world
         self.task = check_before_loading(config)
         _check_world(config, world)
+        self.lease: Lease | None = None  # the main process's, on the run directory
         self._claim_directory()
         c = config
         self.tokenizer = load_tokenizer(c.model.path)
         lm = load_model(c.model.path, c.model.dtype, world.device(c.model.device))
         disable_dropout(lm)  # trained in train mode, without its noise (so are the copies below)
         reference = copy.deepcopy(lm).eval().requires_grad_(False)  # the initial weights, also on resume
+        # a refreshed reference moves: the measured objective stays that of the original one
+        original = copy.deepcopy(reference) if c.objective.ref_refresh_every and c.measure.prompts else None
         replica = copy.deepcopy(lm).eval() if world.sharded and c.rollout.engine == "hf" else None
         self.resumed = checkpoint.load_latest(self.checkpoints_dir, lm)  # before sharding: every process reads it
         if c.train.gradient_checkpointing:
@@ -225,10 +246,14 @@ class Run:
         self.lm = lm.train()
         self.policy = CompletionLogprobs(lm, c.rollout.temperature, c.train.logprob_chunk)
         self.reference = CompletionLogprobs(reference, c.rollout.temperature, c.train.logprob_chunk)
+        self.original_reference = self.reference if original is None else CompletionLogprobs(
+            original, c.rollout.temperature, c.train.logprob_chunk)
         bf16 = torch.bfloat16 if c.train.mixed_precision == "bf16" else None
         if world.sharded:
             shard(self.policy, lm, bf16)
             shard(self.reference, reference, bf16)
+            if original is not None:
+                shard(self.original_reference, original, bf16)
         self.autocast_dtype = bf16 if not world.sharded else None
         self.device = next(lm.parameters()).device
         self.engine = make_engine(c, self._engine_model(replica), self.tokenizer, world,
@@ -243,6 +268,7 @@ class Run:
         self.order = DataOrder(len(self.task), c.train.seed)
         self.verifier = Verifier(timeout=c.verifier.timeout, workers=c.verifier.workers)
         self.step, self.data_position, self.nonfinite_in_row = 0, 0, 0
+        self.coefficient = KLCoefficient(c.objective)  # beta, adapted as the run trains (objective.kl_target)
         self.saved_step = self.resumed[0] if self.resumed is not None else None
         self.pending: deque[PendingBatch] = deque()
         self.probe = ObjectiveProbe(c, self.tokenizer, world) if c.measure.prompts else None
@@ -258,13 +284,16 @@ class Run:
     # --- run directory ----------------------------------------------------------------------
 
     def _claim_directory(self) -> None:
-        """The main process writes config.yaml, or checks that a run already here was started with the
-        same config; every process then raises its error, if any (none is left waiting)."""
+        """The main process takes the run directory's lease (trainer.lease), then writes config.yaml, or
+        checks that a run already here was started with the same config; every process then raises its
+        error, if any (none is left waiting)."""
         problem = None
         if self.world.main:
             try:
+                self.lease = Lease.acquire(self.out)
                 self._check_or_write_config()
-            except ConfigError as error:
+            except ValueError as error:  # ConfigError, LeaseHeld
+                self.release()
                 problem = str(error)
         problems = [p for p in self.world.gather(problem) if p]
         if problems:
@@ -283,6 +312,11 @@ class Run:
                                   "use another --out, or the same config to resume it")
         else:
             config_file.write_text(yaml.safe_dump(wanted, sort_keys=False))
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -312,6 +346,10 @@ class Run:
                               f"process(es); resume it with as many, not {self.world.size}")
         self.step, self.data_position = state["step"], state["data_position"]
         self.nonfinite_in_row = state["nonfinite_in_row"]
+        if "kl_coefficient" in state:
+            self.coefficient.load_state_dict(state["kl_coefficient"])
+        if self.config.objective.ref_refresh_every:
+            load_full_state_dict(self.reference, state["reference"], prefix="lm.")
         load_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         mine = processes[self.world.rank]
@@ -338,9 +376,13 @@ class Run:
         c = self.config.checkpoint
         weights = full_state_dict(self.policy, prefix="lm.")
         state = {"step": self.step, "data_position": self.data_position, "nonfinite_in_row": self.nonfinite_in_row,
+                 "kl_coefficient": self.coefficient.state_dict(),
                  "optimizer": full_optimizer_state(self.policy, self.optimizer),
                  "scheduler": self.scheduler.state_dict(), "processes": self.world.gather(self.process_state())}
+        if self.config.objective.ref_refresh_every:  # the reference moves: it is part of the run's state
+            state["reference"] = full_state_dict(self.reference, prefix="lm.")
         if self.world.main:
+            self.lease.check()
             checkpoint.save(self.checkpoints_dir, self.step, self.lm, state, c.keep, c.keep_every, self.tokenizer,
                             state_dict=weights)
         self.world.barrier()
@@ -351,9 +393,7 @@ class Run:
     def _encode_prompts(self, indices: list[int]) -> tuple[list[list[int]], list]:
         chat = self.config.model.chat_template
         problems = [self.task.problem(i) for i in indices]
-        texts = [self.task.prompt(p, self.tokenizer, chat) for p in problems]
-        ids = [self.tokenizer(t, add_special_tokens=not chat)["input_ids"] for t in texts]
-        return ids, problems
+        return self.task.prompt_ids(problems, self.tokenizer, chat), problems
 
     def _generate(self) -> PendingBatch:
         """This process's share of the next step's prompts, sampled, and their rewards."""
@@ -370,8 +410,11 @@ class Run:
         reference = None
         if objective.needs_full_kl and objective.kl_in_reward:  # the sampler's exact KL, for the reward
             reference = self._reference(packed, full=True)
-        with torch.no_grad():  # the policy that just sampled, as the trainer computes it
-            logp, token_kl, _ = self._sampled_logprobs(packed, reference=None if reference is None else reference[1])
+        logp = token_kl = None
+        if not self._update_makes_trainer_logprobs():  # the policy that just sampled, as the trainer computes it
+            with torch.no_grad():
+                states = None if reference is None else reference[1]
+                logp, token_kl, _ = self._sampled_logprobs(packed, reference=states)
 
         def ragged(values: torch.Tensor) -> list[list[float]]:
             return [row[: len(tokens)].tolist() for row, tokens in zip(values.cpu(), rollouts.token_ids, strict=True)]
@@ -381,8 +424,18 @@ class Run:
             rewards = self.task.reward(rollouts.texts, expanded, self.verifier)
         except VerifierUnavailable as error:
             raise TrainingError(str(error)) from None
-        return PendingBatch(self.step, rollouts, rewards, ragged(logp), None if token_kl is None else ragged(token_kl),
-                            reference)
+        return PendingBatch(self.step, rollouts, rewards, None if logp is None else ragged(logp),
+                            None if token_kl is None else ragged(token_kl), reference)
+
+    def _update_makes_trainer_logprobs(self) -> bool:
+        """Whether the step's one update computes the trainer's log-probs of the samples in its first forward
+        pass, over the whole batch, before the weights change (on-policy, one update, one micro-batch), and no
+        KL in the reward needs them before it: then that pass stands in for one of their own after generation
+        (the same computation on the same weights: the same numbers)."""
+        t = self.config.train
+        rows = t.prompts_per_step // self.world.size * t.group_size
+        return (t.async_level == 0 and t.minibatches == 1 and t.epochs == 1 and t.micro_batch_size in (0, rows)
+                and not self.config.objective.kl_in_reward)
 
     def _precision(self):
         if self.autocast_dtype is None:
@@ -410,11 +463,14 @@ class Run:
             return self.reference.logprobs_of(batch, states), states
 
     def _sampled_logprobs(self, batch: PackedBatch, with_entropy: bool = False,
-                          reference: HeadInputs | None = None
+                          reference: HeadInputs | None = None, entropy_grad: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The policy's log-probs of the sampled tokens; given the `reference`'s completion states of the
         batch, its exact KL to the reference at each position (else None); with `with_entropy`, each
-        position's entropy (else None). [B, T] each."""
+        position's entropy (else None; with `entropy_grad`, always, with its gradient). [B, T] each."""
+        if entropy_grad:
+            with self._precision():
+                return entropy_bonus.logprobs_with_entropy(self.policy, batch, reference)
         if reference is None:
             logp, entropy = self._logprobs(self.policy, batch, with_entropy)
             return logp, None, entropy
@@ -424,11 +480,12 @@ class Run:
 
     def _update(self, batch: PackedBatch, adv: Advantages, ref_logp: torch.Tensor,
                 old_logp: torch.Tensor | None, engine_logp: torch.Tensor | None,
-                with_entropy: bool, ref_states: HeadInputs | None = None) -> dict[str, float]:
+                with_entropy: bool, ref_states: HeadInputs | None = None,
+                logp_out: list[torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer update on this process's part of a minibatch (whole groups, whose advantages
         `adv` were computed over the whole minibatch), a micro-batch at a time; skipped everywhere if
-        any process's loss or gradient is non-finite."""
-        c, world = self.config, self.world
+        any process's loss or gradient is non-finite. `logp_out` gets each micro-batch's log-probs."""
+        c, world, objective = self.config, self.world, self.objective
         rows = batch.completion_ids.shape[0]
         totals = (rows * world.size, max(1.0, world.sum(float(batch.completion_mask.sum()))))
         size = c.train.micro_batch_size or rows
@@ -441,15 +498,19 @@ class Run:
                 self.policy.set_requires_gradient_sync(start == starts[-1])
             micro = batch.rows(part)
             reference = None if ref_states is None else states_of_rows(ref_states, batch, part)
-            logp, token_kl, entropy = self._sampled_logprobs(micro, with_entropy, reference)
+            bonus = bool(objective.entropy_coef)
+            logp, token_kl, entropy = self._sampled_logprobs(micro, with_entropy, reference, entropy_grad=bonus)
+            if logp_out is not None:
+                logp_out.append(logp.detach())
             loss, stats = policy_loss(logp, ref_logp[part], None if old_logp is None else old_logp[part],
-                                      adv.values[part], micro.completion_mask, c.objective, totals,
-                                      None if engine_logp is None else engine_logp[part], token_kl)
+                                      adv.values[part], micro.completion_mask, objective, totals,
+                                      None if engine_logp is None else engine_logp[part], token_kl,
+                                      entropy if bonus else None)
             (loss * world.size).backward()  # FSDP averages gradients over processes; the parts must add up
             stats.update(advantage_stats(adv.rows(part)), loss=float(loss.detach()))
             if entropy is not None:
                 mask = micro.completion_mask
-                stats["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+                stats["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
             parts.append(stats)
         stats = combine_stats([s for process in world.gather(parts) for s in process])
         max_norm = c.train.grad_clip if c.train.grad_clip > 0 else float("inf")
@@ -470,8 +531,13 @@ class Run:
         stats.update(grad_norm=norm, skipped_updates=float(skipped))
         return stats
 
+    @property
+    def objective(self) -> ObjectiveConfig:
+        """The objective of the next step: the run's, at the current beta (trainer.kl_coefficient)."""
+        return self.coefficient.objective(self.config.objective)
+
     def run_step(self) -> dict[str, Any]:
-        c, t0 = self.config, time.perf_counter()
+        c, t0, objective = self.config, time.perf_counter(), self.objective
         while len(self.pending) <= c.train.async_level:
             self.pending.append(self._generate())
         entry = self.pending.popleft()
@@ -480,8 +546,9 @@ class Run:
         rewards = torch.tensor(entry.rewards, dtype=torch.float32, device=self.device)
         ref_logp, ref_states = entry.reference or self._reference(batch, full=c.objective.needs_full_kl)
         engine_logp = batch.behaviour_logp
-        trainer_logp = token_matrix(entry.trainer_logprobs, engine_logp.shape[1]).to(self.device)
-        mismatch = mismatch_sums(engine_logp, trainer_logp, batch.completion_mask)
+        made = None if entry.trainer_logprobs is not None else []  # by the update's first pass
+        trainer_logp = None if made is not None else token_matrix(entry.trainer_logprobs, engine_logp.shape[1])
+        trainer_logp = None if trainer_logp is None else trainer_logp.to(self.device)
         # the behaviour policy as the trainer sees it: its own log-probs where it recomputes them or
         # corrects the engine with TIS (which then weights by trainer / engine), else the engine's
         tis = c.objective.tis_cap is not None
@@ -493,7 +560,7 @@ class Run:
         if c.objective.kl_in_reward:  # the sampler's, once per batch
             token_kl = None if entry.trainer_token_kl is None else token_matrix(entry.trainer_token_kl,
                                                                                trainer_logp.shape[1]).to(self.device)
-            sampler_kl = reward_kl(c.objective, trainer_logp, ref_logp, batch.completion_mask, token_kl)
+            sampler_kl = reward_kl(objective, trainer_logp, ref_logp, batch.completion_mask, token_kl)
         updates: list[dict[str, float]] = []
         for epoch in range(c.train.epochs):
             for start in range(0, len(entry.rollouts), rows):
@@ -506,13 +573,34 @@ class Run:
                     sequence_kl = self._current_reward_kl(minibatch, ref_logp[part], states)
                 adv = self._minibatch_advantages(rewards[part], sequence_kl)
                 old = None if old_logp is None else old_logp[part]
-                updates.append(self._update(minibatch, adv, ref_logp[part], old, engine_logp[part] if tis else None,
-                                            epoch == 0, states))
+                engine = engine_logp[part] if objective.needs_engine_logp else None
+                updates.append(self._update(minibatch, adv, ref_logp[part], old, engine, epoch == 0, states, made))
+        trainer_logp = torch.cat(made) if made is not None else trainer_logp
+        mismatch = mismatch_sums(engine_logp, trainer_logp, batch.completion_mask)
+        self._move_targets(batch, trainer_logp, ref_logp)
         self.engine.sync_weights()
         t_end = time.perf_counter()
         metrics = self._metrics(entry, batch, updates, mismatch, t0, t_gen, t_end)
+        metrics["kl_coef"] = objective.beta
         self.step += 1
         return metrics
+
+    def _move_targets(self, batch: PackedBatch, trainer_logp: torch.Tensor, ref_logp: torch.Tensor) -> None:
+        """After a step: the adaptive beta's update, from the batch's mean per-token KL estimate under the
+        policy that sampled it, as the libraries measure it (k1 stands in for `full`); and the reference's
+        refresh, when due (trainer.reference_refresh)."""
+        objective = self.config.objective
+        if self.coefficient.adaptive:
+            name = "k1" if objective.needs_full_kl else objective.estimator
+            mask = batch.completion_mask
+            estimate = kl.estimate(name, trainer_logp, ref_logp, objective.kl_log_ratio_clamp, objective.kl_value_clamp)
+            per_response = (estimate * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            responses = self.world.sum(float(per_response.numel()))
+            self.coefficient.update(self.world.sum(float(per_response.sum())) / responses, int(responses))
+        if reference_refresh.due(objective, self.step + 1):
+            reference_refresh.refresh(self.reference, self.policy, objective.ref_refresh_alpha)
+            for pending in self.pending:  # their reference passes were of the reference before
+                pending.reference = None
 
     @torch.no_grad()
     def _current_reward_kl(self, batch: PackedBatch, ref_logp: torch.Tensor, ref_states: HeadInputs | None
@@ -526,23 +614,26 @@ class Run:
             micro = batch.rows(part)
             reference = None if ref_states is None else states_of_rows(ref_states, batch, part)
             logp, token_kl, _ = self._sampled_logprobs(micro, reference=reference)
-            parts.append(reward_kl(self.config.objective, logp, ref_logp[start:start + size],
+            parts.append(reward_kl(self.objective, logp, ref_logp[start:start + size],
                                    micro.completion_mask, token_kl))
         return torch.cat(parts)
 
     def _minibatch_advantages(self, rewards: torch.Tensor, sequence_kl: torch.Tensor | None) -> Advantages:
         """Shaped rewards and advantages over the whole minibatch, every process's rows together (so an
         advantage that normalises over the batch sees all of it), then this process's rows."""
-        c, world = self.config.objective, self.world
+        c, world = self.objective, self.world
         if not world.sharded:
             return batch_advantages(rewards, sequence_kl, self.config.train.group_size, c)
         mine = (rewards.cpu(), None if sequence_kl is None else sequence_kl.cpu())
         everyone = world.gather(mine)
         rewards_all = torch.cat([r for r, _ in everyone]).to(rewards.device)
-        kl_all = None if sequence_kl is None else torch.cat([k for _, k in everyone]).to(rewards.device)
+        kl_all = None if sequence_kl is None else _stack_rows([k for _, k in everyone]).to(rewards.device)
         adv = batch_advantages(rewards_all, kl_all, self.config.train.group_size, c)
         rows = rewards.shape[0]
-        return adv.rows(slice(world.rank * rows, (world.rank + 1) * rows))
+        mine = adv.rows(slice(world.rank * rows, (world.rank + 1) * rows))
+        if mine.values.dim() == 2:  # per-token advantages, back to this process's own width
+            mine = Advantages(mine.rewards, mine.shaped, mine.values[:, :sequence_kl.shape[1]])
+        return mine
 
     def _metrics(self, entry: PendingBatch, batch: PackedBatch, updates: list[dict[str, float]],
                  mismatch: dict[str, float], t0: float, t_gen: float, t_end: float) -> dict[str, Any]:
@@ -610,8 +701,9 @@ class Run:
     def _measure(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
-            line = self.probe.measure(self.step, self.engine, self.policy, self.reference, self.verifier,
-                                      self.device, self.reference_record)
+            # at the current beta (adaptive: the beta of this step), against the reference the run started from
+            line = self.probe.measure(self.step, self.engine, self.policy, self.original_reference, self.verifier,
+                                      self.device, self.reference_record, beta=self.objective.beta)
         except VerifierUnavailable as error:
             raise TrainingError(str(error)) from None
         line["measure_time"] = time.perf_counter() - t0
@@ -637,6 +729,7 @@ class Run:
             while self.step < c.train.steps:
                 metrics = self.run_step()
                 if metrics_file is not None:
+                    self.lease.check()
                     metrics_file.write(json.dumps(metrics) + "\n")
                     metrics_file.flush()
                 bar.update()
@@ -662,6 +755,7 @@ class Run:
             self.verifier.close()
         weights = full_state_dict(self.policy, prefix="lm.")
         if main:
+            self.lease.check()
             save_pretrained_atomic(self.out / "final", self.lm, self.tokenizer, state_dict=weights)
             (self.out / COMPLETE).write_text(json.dumps({"steps": self.step, "finished": time.time()}) + "\n")
             log.info("run complete: %s", self.out)
@@ -690,5 +784,6 @@ def train(config: RunConfig, out_dir: Path) -> int:
         finally:
             if run is not None:
                 run.engine.close()  # before the process group goes: vLLM tears down its groups in it
+                run.release()
             world.close()
     return 0

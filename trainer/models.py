@@ -64,7 +64,7 @@ def resolve(name_or_path: str) -> tuple[str, bool]:
     """
     problem = model_source.local_problem(name_or_path)
     if problem is not None:
-        raise ModelNotFoundError(f"model {problem}")
+        raise ModelNotFoundError(f"model path {problem}")
     if model_source.is_local(name_or_path):
         return str(Path(name_or_path).expanduser()), True
     if model_source.in_hub_cache(name_or_path):
@@ -161,6 +161,13 @@ def format_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -
         raise ValueError("model.chat_template is on, but the tokenizer has no chat template")
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """A `format_prompt` result as token ids. A chat template writes the model's special tokens itself
+    (a BOS where the model has one), so the tokenizer adds none to it; plain text gets what the
+    tokenizer adds (a BOS for Llama-style tokenizers)."""
+    return tokenizer(text, add_special_tokens=not chat)["input_ids"]
 
 
 def build_toy_tokenizer(vocab_size: int = 0):

@@ -19,6 +19,8 @@ from torch import Tensor
 
 from trainer import advantages, estimators, kl
 from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, PLACEMENTS
+from trainer.engine_weights import engine_weights
+from trainer.kl_terms import kl_loss_term, kl_loss_weight, kl_reward_span, reward_kl
 from trainer.objective_config import ObjectiveConfig
 
 __all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PG_RATIOS", "PLACEMENTS", "Advantages", "ObjectiveConfig", "advantage_stats",
@@ -26,7 +28,7 @@ __all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PG_RATIOS", "PLACEMENTS", "Advantages
 
 # How combine_stats pools each statistic over a batch's parts (micro-batches, processes):
 # a part's share of the whole batch's (with `totals`) adds up;
-SUMMED_STATS = ("loss", "loss_pg", "loss_kl", "kl_clamped_tokens")
+SUMMED_STATS = ("loss", "loss_pg", "loss_kl", "loss_entropy", "kl_clamped_tokens")
 # a mean over response tokens is weighted by the part's tokens (`_tokens`); every other mean, over
 # rows, by its rows (`_rows`); adv_std is pooled from the parts' means and mean squares. Keys that
 # start with "_" are these weights: combine_stats consumes them.
@@ -72,34 +74,13 @@ def _check_inputs(logp: Tensor, per_response: dict[str, Tensor], group_size: int
         raise ValueError(f"batch of {logp.shape[0]} rows is not a whole number of groups of {group_size}")
 
 
-def _token_estimate(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None) -> Tensor:
-    """The per-token KL term [B, T] of config.estimator: from the sampled tokens' log-probs, or the
-    exact full-vocabulary KL (`token_kl`, computed by trainer.full_kl) for an estimator that needs it."""
-    if config.needs_full_kl:
-        if token_kl is None:
-            raise ValueError(f"estimator {config.estimator}: compute_loss needs token_kl, the exact per-token KL "
-                             "over the vocabulary (trainer.full_kl)")
-        return token_kl.to(kl.compute_dtype(logp, ref_logp))
-    return kl.estimate(config.estimator, logp, ref_logp)
-
-
-@torch.no_grad()
-def reward_kl(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, mask: Tensor,
-              token_kl: Tensor | None = None) -> Tensor:
-    """[B] the KL estimate of each response that the reward is shaped with: the sum over its tokens of
-    config.estimator, from the log-probs (and, for `full`, token_kl) of the policy config.reward_kl
-    names. Detached: it reaches the gradient only through the advantages."""
-    estimate = _token_estimate(config, logp, ref_logp, token_kl)
-    return (estimate * mask.to(estimate.dtype)).sum(dim=-1)
-
-
 @dataclass(frozen=True)
 class Advantages:
     """A minibatch's rewards, shaped with the KL when it goes in the reward, and their advantages."""
 
     rewards: Tensor  # [B]
     shaped: Tensor   # [B]
-    values: Tensor   # [B]
+    values: Tensor   # [B], or [B, T] with the KL in per-token rewards
 
     def rows(self, index: slice) -> "Advantages":
         return Advantages(self.rewards[index], self.shaped[index], self.values[index])
@@ -109,11 +90,24 @@ def batch_advantages(rewards: Tensor, sequence_kl: Tensor | None, group_size: in
                      config: ObjectiveConfig) -> Advantages:
     """Shape the rewards (minus beta x `sequence_kl` where the KL goes in the reward) and compute the
     advantages, over all the rows an advantage estimator reads: call it once per minibatch, with every
-    row of it (a "batch"-scope estimator normalises over them all), then `policy_loss` per part."""
+    row of it (a "batch"-scope estimator normalises over them all), then `policy_loss` per part.
+
+    With the KL in per-token rewards (`sequence_kl` [B, T], from `reward_kl`), the rewards go through the
+    advantage estimator alone and each token's advantage is that minus beta x the KL its score reaches
+    (trainer.placements), with no baseline: as the PPO-style libraries return per-token KL rewards."""
     rewards = rewards.detach()
     if config.kl_in_reward:
         if sequence_kl is None:
             raise ValueError(f"placement {config.placement}: batch_advantages needs the responses' KL (reward_kl)")
+        if config.kl_in_token_rewards:
+            token_kl = sequence_kl.detach()
+            if token_kl.dim() != 2:
+                raise ValueError(f"placement {config.placement}: the KL rewards are per token, [B, T], got "
+                                 f"{tuple(token_kl.shape)}")
+            base = advantages.compute(config.advantage, rewards.to(token_kl.dtype), group_size,
+                                      grpo_scale=config.grpo_scale)
+            values = base.unsqueeze(-1) - config.beta * kl_reward_span(token_kl, config)
+            return Advantages(rewards, rewards.to(token_kl.dtype) - config.beta * token_kl.sum(-1), values)
         shaped = rewards.to(sequence_kl.dtype) - config.beta * sequence_kl.detach()
     else:
         shaped = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
@@ -133,6 +127,7 @@ def compute_loss(
     engine_logp: Tensor | None = None,
     token_kl: Tensor | None = None,
     old_token_kl: Tensor | None = None,
+    entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The scalar loss to minimise and a dict of plain-float statistics, for one whole batch:
     `batch_advantages` then `policy_loss` (the trainer calls those two itself, so that advantages
@@ -147,12 +142,14 @@ def compute_loss(
     B = prompts x group_size, each group in consecutive rows.
     totals    (rows, tokens) of the whole batch when these rows are one part of it (see `aggregate`);
               the part's loss and loss statistics are then its share of the whole batch's.
-    engine_logp  [B, T] log-probs the rollout engine sampled with, for config.tis_cap (truncated
-              importance sampling of the policy-gradient term from the engine to the trainer's
-              policy); ignored when tis_cap is None
+    engine_logp  [B, T] log-probs the rollout engine sampled with, for config.tis_cap (importance
+              weights of the policy-gradient term from the engine to the trainer's policy,
+              trainer.engine_weights) and kl_loss_ratio engine; ignored by the others
     token_kl  [B, T] the exact KL(pi_theta || pi_ref) over the vocabulary at each position (with
               grad; trainer.full_kl), for estimator `full`; old_token_kl the same of mu, for its
               reward when reward_kl is "sampler" and old_logp is given
+    entropy   [B, T] the exact entropy of each position's next-token distribution (with grad), for
+              config.entropy_coef > 0
 
     The KL in the reward is computed from mu's log-probs (config.reward_kl "sampler", when old_logp
     is given) or from pi_theta's ("current").
@@ -165,7 +162,8 @@ def compute_loss(
         sequence_kl = reward_kl(config, old_logp if sampler else logp, ref_logp, mask,
                                 old_token_kl if sampler else token_kl)
     adv = batch_advantages(rewards, sequence_kl, group_size, config)
-    loss, stats = policy_loss(logp, ref_logp, old_logp, adv.values, mask, config, totals, engine_logp, token_kl)
+    loss, stats = policy_loss(logp, ref_logp, old_logp, adv.values, mask, config, totals, engine_logp, token_kl,
+                              entropy)
     return loss, {**stats, **advantage_stats(adv)}
 
 
@@ -179,22 +177,26 @@ def policy_loss(
     totals: tuple[float, float] | None = None,
     engine_logp: Tensor | None = None,
     token_kl: Tensor | None = None,
+    entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The loss of some rows given their advantages [B] (from `batch_advantages`): the policy-gradient
-    term and, where the KL goes in the loss, beta x its KL term; with the loss statistics. The other
-    arguments are `compute_loss`'s."""
-    _check_inputs(logp, {"adv": adv}, None, ref_logp=ref_logp, mask=mask, old_logp=old_logp, engine_logp=engine_logp,
-                  token_kl=token_kl)
-    if config.tis_cap is not None and engine_logp is None:
-        raise ValueError("objective.tis_cap: compute_loss needs engine_logp, the engine's own log-probs")
-    estimate = _token_estimate(config, logp, ref_logp, token_kl) if config.kl_in_loss else None
+    """The loss of some rows given their advantages ([B], or [B, T] with per-token KL rewards; from
+    `batch_advantages`): the policy-gradient term, beta x the KL term where the KL goes in the loss, and
+    minus entropy_coef x the entropy; with the loss statistics. The other arguments are `compute_loss`'s."""
+    per_token = {"adv": adv} if adv.dim() == 2 else {}
+    _check_inputs(logp, {} if per_token else {"adv": adv}, None, ref_logp=ref_logp, mask=mask, old_logp=old_logp,
+                  engine_logp=engine_logp, token_kl=token_kl, entropy=entropy, **per_token)
+    if config.needs_engine_logp and engine_logp is None:
+        key = "tis_cap" if config.tis_cap is not None else "kl_loss_ratio"
+        raise ValueError(f"objective.{key}: compute_loss needs engine_logp, the engine's own log-probs")
+    if config.entropy_coef and entropy is None:
+        raise ValueError("objective.entropy_coef: compute_loss needs entropy, each position's entropy (with grad)")
     dtype = kl.compute_dtype(logp, ref_logp)
     maskf = mask.to(dtype)
     logp_c = logp.to(dtype)
     old = logp_c.detach() if old_logp is None else old_logp.to(dtype)
 
     ratio = torch.exp(logp_c - old)
-    adv_t = adv.to(dtype).unsqueeze(-1)
+    adv_t = adv.to(dtype) if adv.dim() == 2 else adv.to(dtype).unsqueeze(-1)
     sequence = _sequence_ratios(logp_c, old, maskf, config) if _uses_sequence_ratios(config) else None
     if config.pg_ratio == "sequence":
         # sg(w) * A * grad log pi_t on every token: E_mu[w A sum_t grad log pi_t] = grad E_pi[R]
@@ -204,25 +206,30 @@ def policy_loss(
         pg, clipped, dual_clipped = _policy_gradient_term(logp_c - old, adv_t, config)
     tis = None
     if config.tis_cap is not None:
-        # old / mu_engine, truncated: a non-negative constant per token, so it scales the clipped term as is
-        tis = torch.exp(old.detach() - engine_logp.to(dtype)).clamp(max=config.tis_cap)
-        pg = tis * pg
+        # weights of old / mu_engine: non-negative constants per token, so they scale the clipped term as is
+        tis = engine_weights(old, engine_logp, maskf, config)
+        pg = tis.weights * pg
     loss_pg = aggregate(pg, maskf, config.loss_agg, config.norm_length, totals)
 
     loss = loss_pg
     loss_kl = torch.zeros((), dtype=dtype, device=logp.device)
-    if estimate is not None:
-        weight = {"none": None, "detached": ratio.detach(), "differentiable": ratio,
-                  "sequence": sequence[1] if sequence else None}[config.kl_loss_ratio]
-        kl_term = estimate if weight is None else weight * estimate
+    if config.kl_in_loss:
+        kl_term = kl_loss_term(config, logp, ref_logp, token_kl, kl_loss_weight(config, logp_c, ratio, sequence,
+                                                                                  engine_logp))
         loss_kl = config.beta * aggregate(kl_term, maskf, config.loss_agg, config.norm_length, totals)
         loss = loss + loss_kl
+    loss_entropy = torch.zeros((), dtype=dtype, device=logp.device)
+    if config.entropy_coef:
+        loss_entropy = -config.entropy_coef * aggregate(entropy.to(dtype), maskf, config.loss_agg, config.norm_length,
+                                                        totals)
+        loss = loss + loss_entropy
 
     stats = _stats(logp_c, ref_logp, ratio, clipped, maskf, loss_pg, loss_kl, config, token_kl)
+    stats["loss_entropy"] = float(loss_entropy.detach())
     if dual_clipped is not None:
         stats["dual_clip_frac"] = float((dual_clipped & maskf.bool()).sum() / maskf.sum().clamp(min=1))
     if tis is not None:
-        stats.update(_tis_stats(tis, maskf, config.tis_cap))
+        stats.update(_tis_stats(tis, maskf))
     if sequence is not None:
         stats.update(_sequence_stats(*sequence, maskf, config.sequence_ratio_cap))
     return loss, stats
@@ -280,14 +287,15 @@ def _stats(logp: Tensor, ref_logp: Tensor, ratio: Tensor, clipped: Tensor, maskf
     sampled-token estimator (kl_k1, ...), and by `full` where the exact token KL was computed."""
     n_tokens = maskf.sum().clamp(min=1)
     sequence_kls = {f"kl_{name}": (kl.estimate(name, logp.detach(), ref_logp) * maskf).sum(dim=-1)
-                    for name in kl.SAMPLED_ESTIMATORS}
+                    for name in kl.LOGGED_ESTIMATORS}
     if token_kl is not None:
         sequence_kls["kl_full"] = (token_kl.detach().to(maskf.dtype) * maskf).sum(dim=-1)
     tokens = maskf.bool()
     ratio_tokens = ratio.detach()[tokens] if tokens.any() else ratio.new_ones(1)
     clamped_tokens = torch.zeros((), dtype=maskf.dtype, device=maskf.device)
     if config.placement != "none" and not config.needs_full_kl:
-        clamped_tokens = (kl.clamped(config.estimator, logp, ref_logp) & tokens).sum().to(maskf.dtype)
+        clamped_tokens = (kl.clamped(config.estimator, logp, ref_logp, config.kl_log_ratio_clamp, config.kl_value_clamp)
+                          & tokens).sum().to(maskf.dtype)
     values = {
         **{name: per_row.mean() for name, per_row in sequence_kls.items()},
         "ratio_mean": ratio_tokens.mean(),
@@ -307,8 +315,9 @@ def _stats(logp: Tensor, ref_logp: Tensor, ratio: Tensor, clipped: Tensor, maskf
 
 @torch.no_grad()
 def advantage_stats(adv: Advantages) -> dict[str, float]:
-    """The rewards' and advantages' statistics over some rows (combine_stats pools parts of a minibatch)."""
-    values = adv.values
+    """The rewards' and advantages' statistics over some rows (combine_stats pools parts of a minibatch); with
+    per-token KL rewards, those of each response's first token (whose score the whole response's KL reaches)."""
+    values = adv.values if adv.values.dim() == 1 else adv.values[:, 0]
     numbers = {
         "reward_mean": adv.rewards.to(values.dtype).mean(),
         "reward_shaped_mean": adv.shaped.to(values.dtype).mean(),
@@ -334,12 +343,13 @@ def _sequence_stats(sequence: Tensor, prefix: Tensor, maskf: Tensor, cap: float 
 
 
 @torch.no_grad()
-def _tis_stats(tis: Tensor, maskf: Tensor, cap: float) -> dict[str, float]:
-    """How far the truncated engine weights are from 1, over response tokens."""
+def _tis_stats(tis, maskf: Tensor) -> dict[str, float]:
+    """How far the engine weights are from 1, over response tokens, and how many the bounds cut."""
     tokens = maskf.bool()
-    weights = tis[tokens] if tokens.any() else tis.new_ones(1)
+    weights = tis.weights[tokens] if tokens.any() else tis.weights.new_ones(1)
+    cut = tis.outside[tokens] if tokens.any() else tis.outside.new_zeros(1)
     return {"tis_weight_mean": float(weights.mean()), "tis_weight_min": float(weights.min()),
-            "tis_truncated_frac": float((weights >= cap).to(maskf.dtype).mean())}
+            "tis_truncated_frac": float(cut.to(maskf.dtype).mean())}
 
 
 def combine_stats(parts: list[dict[str, float]]) -> dict[str, float]:

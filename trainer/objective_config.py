@@ -5,15 +5,26 @@ Kept apart from `trainer.objective` (which needs torch) so that run configs vali
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
-from trainer import advantages, estimators, placements
-from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, REWARD_KL_POLICIES
+from trainer import advantages, estimators, placements, presets
+from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, REWARD_KL_POLICIES, TIS_LEVELS, TIS_MODES
 
 
 def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"ObjectiveConfig.{key}: {value!r} is not one of {', '.join(choices)}")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _optional(key: str, value: object, check, what: str) -> None:
+    """None, or a finite number that `check` accepts; else a ValueError naming the key."""
+    if value is not None and not (_number(value) and check(value)):
+        raise ValueError(f"ObjectiveConfig.{key}: must be None or {what}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -22,7 +33,9 @@ class ObjectiveConfig:
 
     estimator       k1 | k2 | k3 | full (see trainer.estimators; full is the exact next-token KL
                     over the whole vocabulary, trainer.full_kl)
-    placement       none | reward | loss | reward+loss: where beta x the estimate goes
+    placement       none | reward | loss | reward+loss | reward-to-go | reward-to-go+loss |
+                    reward-token: where beta x the estimate goes (trainer.placements; the last three
+                    put it into per-token rewards, returned or not, as the PPO-style libraries do)
     beta            KL coefficient, >= 0 (ignored for placement none)
     reward_kl       whose log-probs the KL in the reward is computed from:
                     sampler  the policy that sampled the batch, once per batch, as verl does: a
@@ -63,6 +76,14 @@ class ObjectiveConfig:
                     sequence        beta * sg(w_t) * k_t    w_t = prod_{u<=t} rho_u, the prefix
                                                             ratio: exactly the on-policy meaning
                                                             for any length (token ratios are not)
+                    engine          beta * (pi/mu_engine) * k   differentiable, against the rollout
+                                                            engine's own log-probs (NeMo-RL's
+                                                            use_on_policy_kl_approximation); needs
+                                                            engine_logp
+                    score           beta * exp(l - sg l) * k    value 1, keeps the score term
+                                                            (NeMo-RL's default): the differentiable
+                                                            weight on-policy, no weight at all
+                                                            in value off-policy
     pg_ratio        how the policy-gradient term corrects for samples of mu:
                     token           PPO's per-token ratio rho_t (clipped with clip_eps): what the
                                     RL libraries do; biased for responses of more than one token
@@ -82,6 +103,34 @@ class ObjectiveConfig:
                     policy that sampled (pi_theta itself on-policy). None = off. The identity
                     when the engine is exact (weight 1); >= 1, so an exact engine is never
                     down-weighted (verl, slime and OpenRLHF ship this correction)
+    tis_floor       the lower bound of those weights (OpenRLHF, slime, NeMo-RL): in (0, 1]. None = 0
+    tis_mode        truncate  clamp the weight to [tis_floor, tis_cap]
+                    mask      keep it where it lies in [tis_floor, tis_cap], 0 elsewhere (IcePop)
+    tis_level       token      each token's own ratio
+                    sequence   the product over the response, on every token (verl, SkyRL, TRL)
+                    geometric  masks whole responses whose geometric-mean ratio leaves
+                               [tis_floor, tis_cap], weighting the others' tokens by their own
+                               ratios (OpenRLHF's and NeMo-RL's seq-mask-tis); tis_mode mask
+    kl_log_ratio_clamp  clamps the log-ratio l to [-c, c] before the estimator (verl and SkyRL 20,
+                    NeMo-RL 20, open-instruct 40); None = only the overflow bound (trainer.kl)
+    kl_value_clamp  clamps each token's estimate to [-v, v] (verl, SkyRL, NeMo-RL 10, OpenRLHF 10,
+                    slime's low_var_kl 10); None = off. A clamp that binds has no gradient, which
+                    changes what the configuration differentiates; stats count the clamped tokens.
+                    Where the KL loss has a weight, the value clamp bounds the weighted term, and a
+                    token whose log-ratio clamp binds gets no gradient through its weight either
+                    (NeMo-RL, slime); k3+ keeps k2's unclamped gradient (verl)
+    kl_target, kl_horizon  the adaptive coefficient of Ziegler et al. (verl, OpenRLHF, SkyRL): after
+                    each step, beta *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * responses / kl_horizon,
+                    KL the batch's mean per-token estimate (trainer.kl_coefficient). Both or neither;
+                    beta is the starting value
+    ref_refresh_every  replace the reference by the policy every N steps (slime's
+                    --ref-update-interval), or mix it in (TRL's sync_ref_model, open-instruct):
+    ref_refresh_alpha  pi_ref <- alpha pi_theta + (1 - alpha) pi_ref, parameter by parameter; 1 = a
+                    hard copy (trainer.reference_refresh). The KL becomes a proximal term
+    entropy_coef    an entropy bonus: minus entropy_coef x the aggregated exact next-token entropy
+                    (over the vocabulary, differentiated with the prefix distribution held fixed)
+    preset          the library default these values came from (trainer.presets): a run config's
+                    objective.preset fills in that preset's values under the keys given beside it
     """
 
     estimator: str = "k1"
@@ -99,6 +148,17 @@ class ObjectiveConfig:
     pg_ratio: str = "token"
     sequence_ratio_cap: float | None = None
     reward_kl: str = "sampler"
+    tis_floor: float | None = None
+    tis_mode: str = "truncate"
+    tis_level: str = "token"
+    kl_log_ratio_clamp: float | None = None
+    kl_value_clamp: float | None = None
+    kl_target: float | None = None
+    kl_horizon: int | None = None
+    ref_refresh_every: int | None = None
+    ref_refresh_alpha: float = 1.0
+    entropy_coef: float = 0.0
+    preset: str | None = None
 
     def __post_init__(self) -> None:
         for key, registry in (("estimator", estimators.REGISTRY), ("placement", placements.REGISTRY),
@@ -139,6 +199,47 @@ class ObjectiveConfig:
         cap = self.sequence_ratio_cap
         if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap >= 1):
             raise ValueError(f"ObjectiveConfig.sequence_ratio_cap: must be None or a number >= 1, got {cap!r}")
+        self._check_peers_keys()
+
+    def _check_peers_keys(self) -> None:
+        """The settings that reproduce the RL libraries (docs/peers.md)."""
+        _choice("tis_mode", self.tis_mode, TIS_MODES)
+        _choice("tis_level", self.tis_level, TIS_LEVELS)
+        _optional("tis_floor", self.tis_floor, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        if self.tis_cap is None:
+            for key, default in (("tis_floor", None), ("tis_mode", "truncate"), ("tis_level", "token")):
+                if getattr(self, key) != default:
+                    raise ValueError(f"ObjectiveConfig.{key}: shapes the engine weights of tis_cap; set tis_cap too")
+        if self.tis_level == "geometric" and self.tis_mode != "mask":
+            raise ValueError("ObjectiveConfig.tis_level: geometric masks whole responses by their geometric-mean "
+                             "ratio; set tis_mode mask")
+        for key in ("kl_log_ratio_clamp", "kl_value_clamp"):
+            _optional(key, getattr(self, key), lambda v: v > 0, "a number > 0")
+            if getattr(self, key) is not None and estimators.REGISTRY[self.estimator].inputs == estimators.FULL:
+                raise ValueError(f"ObjectiveConfig.{key}: clamps a sampled token's log-ratio or estimate, and "
+                                 f"estimator {self.estimator} has none")
+        _optional("kl_target", self.kl_target, lambda v: v > 0, "a number > 0 (nats per token)")
+        horizon = self.kl_horizon
+        if horizon is not None and not (isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1):
+            raise ValueError(f"ObjectiveConfig.kl_horizon: must be None or an integer >= 1, got {horizon!r}")
+        if (self.kl_target is None) != (horizon is None):
+            missing = "kl_horizon" if horizon is None else "kl_target"
+            raise ValueError(f"ObjectiveConfig.{missing}: the adaptive coefficient needs both kl_target and "
+                             f"kl_horizon (verl's defaults: 0.1 and 10000)")
+        every = self.ref_refresh_every
+        if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+            raise ValueError(f"ObjectiveConfig.ref_refresh_every: must be None or an integer >= 1 (steps between "
+                             f"refreshes of the reference), got {every!r}")
+        if not (_number(self.ref_refresh_alpha) and 0 < self.ref_refresh_alpha <= 1):
+            raise ValueError(f"ObjectiveConfig.ref_refresh_alpha: must be in (0, 1] (1: a hard copy), got "
+                             f"{self.ref_refresh_alpha!r}")
+        if every is None and self.ref_refresh_alpha != 1:
+            raise ValueError("ObjectiveConfig.ref_refresh_alpha: mixes the policy into the reference every "
+                             "ref_refresh_every steps; set ref_refresh_every too")
+        if not (_number(self.entropy_coef) and self.entropy_coef >= 0):
+            raise ValueError(f"ObjectiveConfig.entropy_coef: must be a finite number >= 0, got {self.entropy_coef!r}")
+        if self.preset is not None:
+            _choice("preset", self.preset, presets.REGISTRY.names)
 
     @property
     def kl_in_reward(self) -> bool:
@@ -149,6 +250,21 @@ class ObjectiveConfig:
         return placements.REGISTRY[self.placement].in_loss
 
     @property
+    def kl_in_token_rewards(self) -> bool:
+        """Whether the KL in the reward is per token ([B, T]: reward-to-go, reward-token)."""
+        return placements.REGISTRY[self.placement].per_token_reward
+
+    @property
+    def needs_engine_logp(self) -> bool:
+        """Whether the loss reads the rollout engine's own log-probs (tis_cap, or the engine ratio)."""
+        return self.tis_cap is not None or (self.kl_in_loss and self.kl_loss_ratio == "engine")
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether beta adapts to a target KL as the run trains (kl_target, kl_horizon)."""
+        return self.kl_target is not None and self.placement != "none"
+
+    @property
     def needs_full_kl(self) -> bool:
         """Whether the loss needs the exact KL over the vocabulary (an estimator with inputs "full")."""
         return self.placement != "none" and estimators.REGISTRY[self.estimator].inputs == estimators.FULL
@@ -156,12 +272,17 @@ class ObjectiveConfig:
     def inert_fields(self) -> frozenset[str]:
         """The fields this objective never reads: without a KL term its estimator, beta and ratio;
         with the KL only in the reward, the KL loss term's ratio; without it in the reward, reward_kl;
-        grpo_scale outside grpo;
+        the engine weights' shape without tis_cap; grpo_scale outside grpo;
         norm_length outside its aggregation; sequence_ratio_cap without a sequence ratio. A study crosses an axis
         only where it is not inert, so that no two of its runs compute the same thing."""
         inert = set()
         if self.placement == "none":
-            inert |= {"estimator", "beta"}
+            inert |= {"estimator", "beta", "kl_log_ratio_clamp", "kl_value_clamp", "kl_target", "kl_horizon",
+                      "ref_refresh_every", "ref_refresh_alpha"}
+        if self.tis_cap is None:
+            inert |= {"tis_floor", "tis_mode", "tis_level"}
+        if self.ref_refresh_every is None:
+            inert.add("ref_refresh_alpha")
         if not self.kl_in_loss:
             inert.add("kl_loss_ratio")
         if not self.kl_in_reward:

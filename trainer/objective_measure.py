@@ -15,6 +15,11 @@ completions per prompt are drawn from the policy, and each prompt gets
 pi is the policy at the rollout temperature without top-p, the distribution the objective's
 log-probs use. Every measurement uses the same prompts and seeds, so runs are compared on the
 same draws. Several training processes measure a share of the prompts each.
+
+When the objective moves as the run trains (docs/peers.md), each line is measured at the beta of
+its step (an adaptive beta: the final line gives J* and the gap at the final beta), and always
+against the reference the run started from (a refreshed reference: the gap to the original
+reference's optimum, which shows how far the run departs from it).
 """
 
 from __future__ import annotations
@@ -84,9 +89,7 @@ class ObjectiveProbe:
         seeds = sample_seeds(m.seed, 0, m.prompts)
         lo, hi = world.rank * m.prompts // world.size, (world.rank + 1) * m.prompts // world.size
         problems = [self.task.problem(i) for i in indices[lo:hi]]
-        chat = config.model.chat_template
-        texts = [self.task.prompt(p, tokenizer, chat) for p in problems]
-        self.held_out = HeldOut([tokenizer(t, add_special_tokens=not chat)["input_ids"] for t in texts], problems,
+        self.held_out = HeldOut(self.task.prompt_ids(problems, tokenizer, config.model.chat_template), problems,
                                 seeds[lo:hi])
         self.indices = indices
         self.beta = config.objective.beta if config.objective.placement != "none" else None
@@ -120,8 +123,10 @@ class ObjectiveProbe:
                 "indices": self.indices, "samples": n, "histograms": histograms}
 
     def measure(self, step: int, engine: RolloutEngine, policy: CompletionLogprobs, reference: CompletionLogprobs,
-                verifier: Verifier, device: torch.device, reference_record: dict[str, Any]) -> dict[str, Any]:
-        """One line of objective.jsonl: per-prompt mean reward and KL, and their summary at the run's beta."""
+                verifier: Verifier, device: torch.device, reference_record: dict[str, Any],
+                beta: float | None = None) -> dict[str, Any]:
+        """One line of objective.jsonl: per-prompt mean reward and KL, and their summary at the run's beta
+        (`beta`: the beta of this step, when it adapts; the line records it)."""
         n, rewards, kls = self.config.measure.samples, [], []
         for rollouts, part in self._sample(engine, n, verifier):
             rewards += part
@@ -132,7 +137,8 @@ class ObjectiveProbe:
                 [sum(kls[i * n:(i + 1) * n]) / n for i in range(count)])
         parts = self.world.gather(mine)
         per_prompt = {"reward": [r for p in parts for r in p[0]], "kl": [k for p in parts for k in p[1]]}
-        return summarize(step, self.beta, reference_record["histograms"], per_prompt, n)
+        return summarize(step, self.beta if self.beta is None or beta is None else beta,
+                         reference_record["histograms"], per_prompt, n)
 
 
 def summarize(step: int, beta: float | None, histograms: list[Histogram], per_prompt: dict[str, list[float]],
@@ -142,6 +148,7 @@ def summarize(step: int, beta: float | None, histograms: list[Histogram], per_pr
     reference_reward = [reference_value(h) for h in histograms]
     line["reference_reward"] = sum(reference_reward) / len(reference_reward)
     if beta is not None:
+        line["beta"] = beta
         measured = objective_gap(histograms, per_prompt["reward"], per_prompt["kl"], beta)
         line.update({key: value for key, value in measured.items() if key != "beta"})
         line["reference_gap"] = objective_gap(histograms, reference_reward, [0.0] * len(histograms), beta)["gap"]

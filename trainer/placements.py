@@ -3,6 +3,19 @@
 In the reward, the estimate is subtracted from each response's reward (detached), so it reaches
 the gradient through the advantages, as a score-function term; in the loss, its own gradient is
 added. Free of torch.
+
+A placement with the KL in the reward says how far each token's score reaches (`reward_span`):
+
+    sequence  every token's score is weighted by the whole response's KL, which goes through the
+              advantage estimator with the reward (R - beta K: RLOO's baseline covers it too)
+    to-go     per-token KL rewards, returned: token t's score is weighted by the KL at and after
+              t, sum_{s>=t} k_s (after t for an estimator whose term does not depend on its own
+              token, `full`), without a baseline, beside the advantage of R: what the PPO-style
+              libraries compute (OpenRLHF, verl's and slime's REINFORCE++ and GAE)
+    token     per-token KL rewards, not returned: token t's score is weighted by k_t alone
+              (NeMo-RL's REINFORCE++, slime's REINFORCE++-baseline)
+
+docs/peers.md derives what each one's expected gradient is.
 """
 
 from __future__ import annotations
@@ -11,13 +24,26 @@ from dataclasses import dataclass
 
 from trainer.registry import Registry
 
+REWARD_SPANS = ("sequence", "to-go", "token")
+
 
 @dataclass(frozen=True)
 class Placement:
     name: str
     in_reward: bool
     in_loss: bool
-    fill: str  # the marker fill that figures draw it with ("full", "none", "left")
+    fill: str  # the marker fill that figures draw it with ("full", "none", "left", ...)
+    reward_span: str = "sequence"  # with the KL in the reward: how far each token's score reaches
+
+    def __post_init__(self) -> None:
+        if self.reward_span not in REWARD_SPANS:
+            raise ValueError(f"placement {self.name!r}: reward_span {self.reward_span!r} is not one of "
+                             f"{', '.join(REWARD_SPANS)}")
+
+    @property
+    def per_token_reward(self) -> bool:
+        """Whether the KL in the reward is per token ([B, T]) rather than one number per response."""
+        return self.in_reward and self.reward_span != "sequence"
 
 
 REGISTRY: Registry[Placement] = Registry("KL placement")
@@ -25,5 +51,8 @@ REGISTRY.register(Placement("none", in_reward=False, in_loss=False, fill="full")
 REGISTRY.register(Placement("reward", in_reward=True, in_loss=False, fill="full"))
 REGISTRY.register(Placement("loss", in_reward=False, in_loss=True, fill="none"))
 REGISTRY.register(Placement("reward+loss", in_reward=True, in_loss=True, fill="left"))
+REGISTRY.register(Placement("reward-to-go", in_reward=True, in_loss=False, fill="bottom", reward_span="to-go"))
+REGISTRY.register(Placement("reward-to-go+loss", in_reward=True, in_loss=True, fill="right", reward_span="to-go"))
+REGISTRY.register(Placement("reward-token", in_reward=True, in_loss=False, fill="top", reward_span="token"))
 
 KL_PLACEMENTS = tuple(p.name for p in REGISTRY if p.in_reward or p.in_loss)  # every placement with a KL term

@@ -23,7 +23,7 @@ def _batch(tokenizer, task, problems, chat: bool) -> tuple[torch.Tensor, torch.T
     """Right-padded prompt + target + EOS, with labels only on target and EOS."""
     rows, labels = [], []
     for problem in problems:
-        prompt = tokenizer(task.prompt(problem, tokenizer, chat), add_special_tokens=not chat)["input_ids"]
+        prompt = task.prompt_ids([problem], tokenizer, chat)[0]
         target = tokenizer(task.target(problem), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt + target)
         labels.append([-100] * len(prompt) + target)
@@ -39,7 +39,7 @@ def _batch(tokenizer, task, problems, chat: bool) -> tuple[torch.Tensor, torch.T
 def sample_reward(model, tokenizer, task, problems, chat: bool, max_new_tokens: int, seed: int) -> float:
     """Mean reward of one temperature-1 sample per problem: where RL will start."""
     engine = HFEngine(model, tokenizer)
-    prompts = [tokenizer(task.prompt(p, tokenizer, chat), add_special_tokens=not chat)["input_ids"] for p in problems]
+    prompts = task.prompt_ids(problems, tokenizer, chat)
     rollouts = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=max_new_tokens, stop=("\n",)),
                                sample_seeds(seed, 0, len(prompts)))
     verifier = Verifier()

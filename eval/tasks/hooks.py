@@ -65,7 +65,7 @@ def choice_results(doc: dict[str, Any], results: Sequence[str]) -> dict[str, flo
     return pass_metrics([score_choice(r, choice_gold(doc), letters) for r in responses(results)])
 
 
-# --- countdown: {"nums" or "numbers": [...], "target"} ----------------------------------------
+# --- countdown: {"nums" or "numbers": [...], "target"}, asked tersely or in words ----------------
 
 def countdown_numbers(doc: dict[str, Any]) -> list[int]:
     return [int(n) for n in (doc["nums"] if "nums" in doc else doc["numbers"])]
@@ -75,16 +75,27 @@ def countdown_text(doc: dict[str, Any]) -> str:
     return countdown_prompt(sorted(countdown_numbers(doc)), int(doc["target"]))
 
 
+def countdown_natural_text(doc: dict[str, Any]) -> str:
+    return countdown_prompt(sorted(countdown_numbers(doc)), int(doc["target"]), "natural")
+
+
 def countdown_results(doc: dict[str, Any], results: Sequence[str]) -> dict[str, float]:
     numbers, target = countdown_numbers(doc), int(doc["target"])
     return pass_metrics([score_countdown(r, numbers, target) for r in responses(results)])
 
 
-# --- the toy arithmetic task: {"question": "12+7" or "12+7=", "answer"} ------------------------
+# --- arithmetic: {"question": "12+7" or "12+7=", "answer"}, asked tersely (the toy) or in words --
+
+def arith_expression(doc: dict[str, Any]) -> str:
+    return str(doc["question"]).removesuffix("=")
+
 
 def arith_text(doc: dict[str, Any]) -> str:
-    question = str(doc["question"])
-    return question if question.endswith("=") else arithmetic_prompt(question)
+    return arithmetic_prompt(arith_expression(doc))
+
+
+def arith_natural_text(doc: dict[str, Any]) -> str:
+    return arithmetic_prompt(arith_expression(doc), "natural")
 
 
 def arith_results(doc: dict[str, Any], results: Sequence[str]) -> dict[str, float]:

@@ -30,7 +30,7 @@ def make_engine(config: RunConfig, model, tokenizer, world: World, weights: Weig
     if engine == "hf":
         from trainer.rollout.hf import HFEngine
 
-        return HFEngine(model, tokenizer, weights if world.sharded else None)
+        return HFEngine(model, tokenizer, weights if world.sharded else None, config.rollout.hf_decoding)
     if engine == "vllm":
         from trainer.rollout.vllm import VLLMEngine
 

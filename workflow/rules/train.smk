@@ -1,10 +1,13 @@
 # train: one job per grid point, or `bundle.train` grid points per job (trained one after another in
 # one process: `python -m trainer train-runs`). The run directory is the state: the trainer resumes
 # from its newest valid checkpoint and leaves a finished run alone, and COMPLETE (the job's output)
-# appears last, so an interrupted job never looks finished. With MLFLOW_TRACKING_URI set, a follower
-# streams the runs' metrics to that server while they train. A job with several GPUs runs the
+# appears last, so an interrupted job never looks finished. With live tracking (below), a follower
+# streams the job's runs' metrics to the tracking server while they train. A job with several GPUs runs the
 # trainer under `accelerate launch`, one process per GPU (trainer.launch).
 
+
+import os
+import subprocess
 
 MODEL_READY = {run.run_id: STUDY.model_ready(run.model) for run in STUDY.runs}
 OVERRIDES = {run.run_id: run.overrides() for run in STUDY.runs}
@@ -17,14 +20,45 @@ def train_launcher(model):
     return shlex.join(train_command(PY, int(gpus)))
 
 
-# The follower syncs the whole study each round, until the job's last run is complete.
-FOLLOW = """
-        if [ -n "${{MLFLOW_TRACKING_URI:-}}" ]; then
-            {PY} -m sweep track --results {params.results} --study {params.study} --follow {params.follow} \\
-                > {log.track} 2>&1 &
-            trap "kill $! 2>/dev/null || true" EXIT
-        fi
-"""
+# Live tracking: the study config's tracking.uri, else MLFLOW_TRACKING_URI. Each training job then starts
+# a follower that syncs the job's own runs every 30 s (sweep.tracking.follow); the study's experiment and
+# parent run are opened once, before any job starts (open_live_tracking, from the Snakefile's onstart).
+LIVE_URI = STUDY.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+
+
+FOLLOWER_LAST_ROUND_S = 60  # after training, a job tells its follower (SIGUSR1) and waits this long at most
+
+
+def follower(followed="{params.follow}"):
+    """The lines of a training job's shell command that start its follower, syncing `followed` (the job's
+    run directories), and those that wait, after training, for its last round; none without live tracking.
+    The follower gets tracking.uri, or else reads MLFLOW_TRACKING_URI in the job, which checks that it has it."""
+    if not LIVE_URI:
+        return "", ""
+    uri = f"--uri {shlex.quote(STUDY.tracking_uri)} " if STUDY.tracking_uri else ""
+    uri = uri.replace("{", "{{").replace("}", "}}")  # the shell command is a format string
+    lines = [f"{{PY}} -m sweep track --results {{params.results}} --study {{params.study}} {uri}--follow {followed} \\",
+             "    > {log.track} 2>&1 &", "follower=$!", 'trap "kill $follower 2>/dev/null || true" EXIT']
+    if not STUDY.tracking_uri:
+        lines = ['if [ -n "${{MLFLOW_TRACKING_URI:-}}" ]; then', *(f"    {line}" for line in lines), "fi"]
+    wait = (f'[ -z "${{{{follower:-}}}}" ] || {{{{ kill -USR1 "$follower" && timeout {FOLLOWER_LAST_ROUND_S} '
+            'tail --pid="$follower" -f /dev/null; }} || true')
+    return "".join(f"\n        {line}" for line in lines) + "\n", f"        {wait}\n"
+
+
+def open_live_tracking():
+    """The study's experiment and parent run, before any training job starts (followers then find them in
+    their record). A server that refuses this client or does not answer stops the study here, with one
+    error."""
+    if not LIVE_URI:
+        return
+    command = [PY, "-m", "sweep", "track", "--results", str(RESULTS), "--study", STUDY.name, *_uri_args(), "--open"]
+    opened = subprocess.run(command, capture_output=True, text=True,
+                            env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", **os.environ})
+    if opened.returncode != 0:
+        lines = opened.stderr.strip().splitlines() or ["(no output)"]
+        raise WorkflowError(f"live tracking: {lines[-1].removeprefix('ERROR sweep: ')}")
+    print(f"MLflow, the study's runs (live): {json.loads(opened.stdout)['runs_page']}", file=sys.stderr)
 
 
 if STUDY.bundle["train"] == 1:
@@ -48,7 +82,8 @@ if STUDY.bundle["train"] == 1:
         resources:
             **rule_resources("train", per_model=True),
         shell:
-            FOLLOW + "        {params.launcher} train --out {params.out} {params.overrides:q} > {log.train} 2>&1\n"
+            follower()[0] + "        {params.launcher} train --out {params.out} {params.overrides:q} > {log.train} 2>&1\n"
+            + follower()[1]
 
 else:
     for number, runs in enumerate(TRAIN_JOBS):
@@ -74,4 +109,6 @@ else:
             resources:
                 **model_resources("train", model),
             shell:
-                FOLLOW + "        {params.launcher} train-runs --plan {params.plan:q} > {log.train} 2>&1\n"
+                follower(" ".join(shlex.quote(f"{RESULTS}/runs/{run}") for run in runs))[0]
+                + "        {params.launcher} train-runs --plan {params.plan:q} > {log.train} 2>&1\n"
+                + follower()[1]

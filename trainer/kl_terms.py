@@ -1,0 +1,75 @@
+"""The KL term of the objective, per token: its estimate (clamped as configured), what the rewards are
+shaped with (summed over a response, to go, or each token's own: trainer.placements), and the KL-loss
+term with its off-policy weight (objective.kl_loss_ratio). `trainer.objective` puts them together.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from trainer import estimators, kl, placements
+from trainer.objective_config import ObjectiveConfig
+
+
+def token_estimate(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None,
+                   value_clamp: bool = True) -> Tensor:
+    """The per-token KL term [B, T] of config.estimator: from the sampled tokens' log-probs (clamped as
+    configured; the value's clamp left to the caller without `value_clamp`), or the exact
+    full-vocabulary KL (`token_kl`, computed by trainer.full_kl) for an estimator that needs it."""
+    if config.needs_full_kl:
+        if token_kl is None:
+            raise ValueError(f"estimator {config.estimator}: compute_loss needs token_kl, the exact per-token KL "
+                             "over the vocabulary (trainer.full_kl)")
+        return token_kl.to(kl.compute_dtype(logp, ref_logp))
+    return kl.estimate(config.estimator, logp, ref_logp, config.kl_log_ratio_clamp,
+                       config.kl_value_clamp if value_clamp else None)
+
+
+@torch.no_grad()
+def reward_kl(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, mask: Tensor,
+              token_kl: Tensor | None = None) -> Tensor:
+    """The KL estimate that the rewards are shaped with, from the log-probs (and, for `full`, token_kl) of
+    the policy config.reward_kl names: [B], each response's sum over its tokens of config.estimator; or,
+    for a placement with per-token KL rewards (reward-to-go, reward-token), [B, T], 0 on padding.
+    Detached: it reaches the gradient only through the advantages."""
+    estimate = token_estimate(config, logp, ref_logp, token_kl) * mask.to(kl.compute_dtype(logp, ref_logp))
+    return estimate if config.kl_in_token_rewards else estimate.sum(dim=-1)
+
+
+def kl_reward_span(token_kl: Tensor, config: ObjectiveConfig) -> Tensor:
+    """[B, T] the KL each token's score is weighted by: the KL at and after it (to go; after it for an
+    estimator whose term at t does not depend on y_t, as `full`'s, whose own term would only add noise),
+    or its own."""
+    if placements.REGISTRY[config.placement].reward_span == "token":
+        return token_kl
+    to_go = token_kl.flip(-1).cumsum(-1).flip(-1)
+    return to_go if estimators.REGISTRY[config.estimator].token_dependent else to_go - token_kl
+
+
+def kl_loss_term(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None,
+                 weight: Tensor | None) -> Tensor:
+    """Each token's KL-loss term: its estimate, times its weight, clamped as the libraries clamp it. With a
+    weight (NeMo-RL, slime), the value clamp bounds the weighted term, and where the log-ratio clamp binds the
+    weight has no gradient either: a clamped token contributes no gradient at all, as without a weight."""
+    spec = estimators.REGISTRY[config.estimator]
+    after = weight is not None and config.kl_value_clamp is not None and spec.gradient_of is None
+    estimate = token_estimate(config, logp, ref_logp, token_kl, value_clamp=not after)
+    if weight is None:
+        return estimate
+    if config.kl_log_ratio_clamp is not None:
+        weight = torch.where(kl.log_ratio(logp, ref_logp).abs() > config.kl_log_ratio_clamp, weight.detach(), weight)
+    term = weight * estimate
+    return term.clamp(-config.kl_value_clamp, config.kl_value_clamp) if after else term
+
+
+def kl_loss_weight(config: ObjectiveConfig, logp: Tensor, ratio: Tensor, sequence: tuple[Tensor, Tensor] | None,
+                   engine_logp: Tensor | None) -> Tensor | None:
+    """The weight on each KL-loss token (objective.kl_loss_ratio), None for none."""
+    name = config.kl_loss_ratio
+    if name == "engine":  # pi / mu_engine, differentiable (NeMo-RL's on-policy KL approximation)
+        return torch.exp(logp - engine_logp.to(logp.dtype))
+    if name == "score":   # 1 in value, the score term in the gradient (NeMo-RL's default)
+        return torch.exp(logp - logp.detach())
+    return {"none": None, "detached": ratio.detach(), "differentiable": ratio,
+            "sequence": sequence[1] if sequence else None}[name]

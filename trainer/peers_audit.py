@@ -1,0 +1,334 @@
+"""Exact audit of the RL libraries' KL machinery: the settings that reproduce them, and their presets.
+
+Two parts here, all on `trainer.audit`'s random tabular instances and through `compute_loss` itself:
+
+- `additions_audit`: what each setting added to reproduce the peers differentiates (clamps, the
+  KL-loss weights `engine` and `score`, the entropy bonus, the engine weights of the policy
+  gradient), exactly, with the variance of one group's gradient; each case states the verdict
+  docs/peers.md derives, and the audit says whether it agrees.
+- `presets_audit`: for each library's default (trainer.presets), what its KL gradient is on-policy
+  and off-policy (token ratios, as the libraries weight), and whether it is unbiased: the papers'
+  Table 1, executable.
+- `trainer.moving_targets`: tabular policies trained with an adaptive beta or a refreshed reference.
+
+The per-token KL rewards (reward-to-go, reward-token) and k3+ are registrations: the main gradient
+audit has their rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from torch import Tensor
+
+from trainer import kl, presets, tabular
+from trainer.audit import (
+    AuditInstance,
+    cosine,
+    expectation,
+    group_gradients,
+    rel_error,
+    target_gradients,
+    variance,
+    verdict,
+)
+from trainer.objective import ObjectiveConfig
+from trainer.progress import progress_bar
+
+SAMPLINGS = {"on-policy": (False, False), "off-policy": (True, False), "engine mismatch": (False, True)}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One audited setting: its config and the config without it (their difference is its part of the
+    gradient), the sampling, what the part is divided by, and the verdict docs/peers.md states."""
+
+    section: str
+    label: str
+    config: ObjectiveConfig
+    base: ObjectiveConfig
+    sampling: str
+    theory: str
+    scale: str = "beta"  # beta | entropy | 1 (the policy gradient itself, against -grad E[R])
+
+
+@dataclass(frozen=True)
+class PartRow:
+    section: str
+    label: str
+    sampling: str
+    norm_ratio: float   # abs part / abs of its reference gradient (grad KL; grad H for the entropy; grad E[R])
+    cos: float
+    err: float          # worst relative error against the theory's target (or grad KL where it names none)
+    err_on_policy: float
+    clamped: float      # share of tokens a clamp binds on (under the sampler), mean over seeds
+    var_part: float
+    var_grad: float
+    verdict: str
+    theory: str
+
+    @property
+    def agrees(self) -> bool | None:
+        return None if not self.theory else self.theory in self.verdict.split(" = ")
+
+
+def _base(**kwargs) -> ObjectiveConfig:
+    return ObjectiveConfig(placement="none", advantage="rloo", reward_kl="current", **kwargs)
+
+
+def addition_cases(beta: float = 0.1) -> list[Case]:
+    """The settings added to reproduce the peers, each where its theory says something (docs/peers.md)."""
+    none = _base(beta=beta)
+    k3_loss = replace(none, estimator="k3", placement="loss")
+    k1_to_go = replace(none, estimator="k1", placement="reward-to-go")
+    cases = [
+        Case("clamps", "k3 loss, clamps 20 / 10 (verl, SkyRL, NeMo-RL)",
+             replace(k3_loss, kl_log_ratio_clamp=20.0, kl_value_clamp=10.0), none, "on-policy", "per-prefix forward"),
+        Case("clamps", "k3 loss, log-ratio clamped at 0.3", replace(k3_loss, kl_log_ratio_clamp=0.3), none,
+             "on-policy", "biased"),
+        Case("clamps", "k1 reward-to-go, value clamp 10 (OpenRLHF)", replace(k1_to_go, kl_value_clamp=10.0), none,
+             "on-policy", "unbiased"),
+        Case("clamps", "k1 reward-to-go, value clamped at 0.3", replace(k1_to_go, kl_value_clamp=0.3), none,
+             "on-policy", "biased"),
+        Case("clamps", "k3 reward+loss, log-ratio clamped at 0.3",
+             replace(k3_loss, placement="reward+loss", kl_log_ratio_clamp=0.3), none, "on-policy", "biased"),
+    ]
+    for ratio in ("engine", "score", "differentiable"):
+        weighted = replace(k3_loss, kl_loss_ratio=ratio)
+        cases += [Case("KL-loss weight", f"k3 loss, {ratio}", weighted, none, sampling, theory)
+                  for sampling, theory in (("on-policy", "per-prefix reverse"), ("off-policy", ""),
+                                           ("engine mismatch", ""))]
+    cases += [Case("KL-loss weight", "k3 loss, none", k3_loss, none, "engine mismatch", "")]
+    bonus = replace(none, entropy_coef=0.1)
+    cases += [Case("entropy bonus", "entropy_coef 0.1", bonus, none, sampling, theory, scale="entropy")
+              for sampling, theory in (("on-policy", "per-prefix entropy"), ("off-policy", ""))]
+    engine = [("none", {}), ("token TIS, cap 2 (verl, slime)", {"tis_cap": 2.0}),
+              ("token TIS, [0.5, 5] (OpenRLHF)", {"tis_cap": 5.0, "tis_floor": 0.5}),
+              ("token TIS, [0.5, 2]", {"tis_cap": 2.0, "tis_floor": 0.5}),
+              ("IcePop, [0.5, 2]", {"tis_cap": 2.0, "tis_floor": 0.5, "tis_mode": "mask"}),
+              ("sequence TIS, cap 5 (SkyRL)", {"tis_cap": 5.0, "tis_level": "sequence"}),
+              ("sequence weight, untruncated", {"tis_cap": 1e9, "tis_level": "sequence"}),
+              ("sequence mask, cap 3 (TRL)", {"tis_cap": 3.0, "tis_level": "sequence", "tis_mode": "mask"}),
+              ("seq-mask-tis, [0.5, 2] (OpenRLHF, NeMo-RL)",
+               {"tis_cap": 2.0, "tis_floor": 0.5, "tis_level": "geometric", "tis_mode": "mask"})]
+    cases += [Case("engine weights", label, replace(none, **values), none, "engine mismatch",
+                   "exact" if label == "sequence weight, untruncated" else "", scale="1") for label, values in engine]
+    return cases
+
+
+def _targets(inst: AuditInstance) -> dict[str, Tensor]:
+    """grad KL and the per-prefix KLs, -grad of the per-prefix and the sequence entropy (an entropy
+    bonus's part of the gradient of the loss), and -grad E[R] (the policy gradient's)."""
+    targets = target_gradients(inst)
+    space = inst.space
+
+    def grad_of(fn) -> Tensor:
+        theta = inst.logits.clone().requires_grad_(True)
+        return torch.autograd.grad(fn(theta), theta)[0]
+
+    targets["per-prefix entropy"] = -grad_of(lambda th: tabular.prefix_entropy(space, th))
+    targets["sequence entropy"] = -grad_of(lambda th: tabular.sequence_entropy(space, th))
+    targets["exact"] = -targets["reward"]
+    return targets
+
+
+def _clamped_share(inst: AuditInstance, config: ObjectiveConfig, sampling: str) -> float:
+    """The share of response tokens whose estimate a clamp binds on, in expectation under the sampler."""
+    if config.kl_log_ratio_clamp is None and config.kl_value_clamp is None:
+        return 0.0
+    space = inst.space
+    logp, ref = space.token_logp(inst.logits), space.token_logp(inst.ref_logits)
+    sampler = space.seq_logp(inst.behaviour_logits if sampling != "on-policy" else inst.logits).exp()
+    cut = kl.clamped(config.estimator, logp, ref, config.kl_log_ratio_clamp, config.kl_value_clamp)
+    return float(sampler @ cut.double().mean(-1))
+
+
+def _part(inst: AuditInstance, case: Case, group_size: int, groups: Tensor) -> tuple[Tensor, float, float]:
+    """The case's part of the expected gradient, its variance over one group, and the whole gradient's."""
+    off_policy, engine = SAMPLINGS[case.sampling]
+    grads, weights = group_gradients(inst, case.config, group_size, off_policy, groups, engine)
+    if case.scale == "1":
+        return expectation(grads, weights), variance(grads, weights), variance(grads, weights)
+    base, _ = group_gradients(inst, case.base, group_size, off_policy, groups, engine)
+    scale = case.config.entropy_coef if case.scale == "entropy" else case.config.beta
+    part = (grads - base) / scale
+    return expectation(part, weights), variance(part, weights), variance(grads, weights)
+
+
+def _verdict(part: Tensor, targets: dict[str, Tensor], case: Case, tol: float) -> str:
+    if case.scale == "entropy":
+        names = [n for n in ("per-prefix entropy", "sequence entropy") if rel_error(part, targets[n]) <= tol]
+        return " = ".join(names) if names else "biased"
+    if case.scale == "1":
+        return "exact" if rel_error(part, targets["exact"]) <= tol else "biased"
+    return verdict(part, targets, tol)
+
+
+def additions_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: tuple[int, ...] = (0, 1, 2),
+                    beta: float = 0.1, tol: float = 1e-6, progress: bool | None = None) -> list[PartRow]:
+    """Every addition case on every seed, aggregated as the gradient audit's rows are."""
+    cases = addition_cases(beta)
+    groups = tabular.SequenceSpace(vocab, length).groups(group_size)
+    results: dict[int, list[dict[str, object]]] = {i: [] for i in range(len(cases))}
+    bar = progress_bar(len(seeds) * len(cases), "peers audit", progress)
+    for seed in seeds:
+        inst = AuditInstance.random(vocab, length, seed)
+        targets = _targets(inst)
+        on_policy: dict[str, Tensor] = {}
+        for i, case in enumerate(cases):
+            part, var_part, var_grad = _part(inst, case, group_size, groups)
+            reference = {"entropy": targets["per-prefix entropy"], "1": targets["exact"]}.get(case.scale,
+                                                                                              targets["unbiased"])
+            target = targets.get(case.theory, reference) if case.theory not in ("", "biased", "zero") else reference
+            if case.sampling == "on-policy":
+                on_policy[case.label] = part
+            results[i].append({"norm_ratio": float(part.norm() / reference.norm()), "cos": cosine(part, target),
+                               "err": rel_error(part, target), "var_part": var_part, "var_grad": var_grad,
+                               "err_on_policy": float((part - on_policy[case.label]).norm() / reference.norm())
+                               if case.label in on_policy else float("nan"),
+                               "clamped": _clamped_share(inst, case.config, case.sampling),
+                               "verdict": _verdict(part, targets, case, tol)})
+            bar.update()
+    bar.close()
+    return [_row(case, results[i]) for i, case in enumerate(cases)]
+
+
+def _row(case: Case, results: list[dict[str, object]]) -> PartRow:
+    verdicts = {r["verdict"] for r in results}
+    mean = {k: sum(float(r[k]) for r in results) / len(results) for k in ("norm_ratio", "cos", "var_part", "var_grad",
+                                                                          "clamped")}
+    worst = {k: max(float(r[k]) for r in results) for k in ("err", "err_on_policy")}
+    return PartRow(case.section, case.label, case.sampling, verdict=verdicts.pop() if len(verdicts) == 1 else "mixed",
+                   theory=case.theory, **mean, **worst)
+
+
+def additions_markdown(rows: list[PartRow], setup: dict[str, object]) -> str:
+    lines = [
+        f"The peers' settings, exactly: vocabulary {setup['vocab']}, length {setup['length']}, group size "
+        f"{setup['group_size']}, RLOO, beta {setup['beta']}, seeds {setup['seeds']}. part = the setting's part of "
+        "the expected gradient: (E[grad loss] - E[grad loss without it]) / beta (/ entropy_coef for the entropy "
+        "bonus; the whole policy gradient for the engine weights). Its target: grad KL unless the theory names "
+        "another (the per-prefix KLs, -grad of the per-prefix entropy, -grad E[R] for the engine weights). "
+        "`engine mismatch`: the groups come from mu, which the trainer takes for itself (old_logp None) and "
+        "gets as the engine's log-probs. err vs on-policy: in units of the target's norm. clamped: the share "
+        "of tokens a clamp binds on. var = trace of the covariance of one group's gradient (of the part; of "
+        "the whole loss).",
+        "",
+        "| setting | case | sampling | abs part / abs target | cos | err | err vs on-policy | clamped | var part "
+        "| var grad | verdict | docs/peers.md |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        mark = {True: f"{r.theory} (agrees)", False: f"{r.theory} (DISAGREES)", None: ""}[r.agrees]
+        on_policy = "-" if r.sampling == "on-policy" or r.err_on_policy != r.err_on_policy else f"{r.err_on_policy:.1e}"
+        lines.append(f"| {r.section} | {r.label} | {r.sampling} | {r.norm_ratio:.3f} | {r.cos:+.3f} | {r.err:.1e} "
+                     f"| {on_policy} | {r.clamped:.2f} | {r.var_part:.3f} | {r.var_grad:.4f} | {r.verdict} | {mark} |")
+    return "\n".join(lines)
+
+
+# --- presets ---------------------------------------------------------------------------------------------
+
+WORDS = {"unbiased": "grad KL(pi || pi_ref)", "per-prefix reverse": "sum_t E[grad KL_t(pi || pi_ref)] (per-prefix "
+         "reverse)", "per-prefix forward": "sum_t E[grad KL_t(pi_ref || pi)] (per-prefix forward)",
+         "zero": "0: no regularization", "biased": "none of these (biased)"}
+
+
+@dataclass(frozen=True)
+class PresetRow:
+    preset: str
+    library: str
+    library_beta: float
+    estimator: str
+    placement: str
+    kl_loss_ratio: str
+    clamps: str
+    engine_weights: str
+    on_policy: str
+    err_on_policy: float
+    off_policy: str
+    err_off_policy: float
+    var_kl: float
+    source: str
+
+    @property
+    def unbiased(self) -> tuple[bool, bool]:
+        return self.on_policy == "unbiased", self.off_policy == "unbiased"
+
+
+def presets_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: tuple[int, ...] = (0, 1, 2),
+                  beta: float = 0.1, tol: float = 1e-6, progress: bool | None = None) -> list[PresetRow]:
+    """Each preset at the audit's beta, with the audit's RLOO advantages: its KL part on-policy and off-policy
+    (samples of mu weighted by token ratios, the reward's KL from the sampler, as the libraries)."""
+    groups = tabular.SequenceSpace(vocab, length).groups(group_size)
+    found: dict[str, dict[str, list]] = {p.name: {"on": [], "off": [], "err_on": [], "err_off": [], "var": []}
+                                         for p in presets.REGISTRY}
+    bar = progress_bar(len(seeds) * len(presets.REGISTRY), "presets audit", progress)
+    for seed in seeds:
+        inst = AuditInstance.random(vocab, length, seed)
+        targets = target_gradients(inst)
+        for preset in presets.REGISTRY:
+            config = presets.objective(preset.name, beta=beta, advantage="rloo")
+            record = found[preset.name]
+            if config.placement == "none":
+                record["on"].append("zero"), record["off"].append("zero")
+                record["err_on"].append(1.0), record["err_off"].append(1.0), record["var"].append(0.0)
+                bar.update()
+                continue
+            base = replace(config, placement="none")
+            for key, off_policy in (("on", False), ("off", True)):
+                grads, weights = group_gradients(inst, config, group_size, off_policy, groups)
+                base_grads, _ = group_gradients(inst, base, group_size, off_policy, groups)
+                part = (grads - base_grads) / beta
+                mean = expectation(part, weights)
+                record[key].append(verdict(mean, targets, tol))
+                record[f"err_{key}"].append(rel_error(mean, targets["unbiased"]))
+                if key == "on":
+                    record["var"].append(variance(part, weights))
+            bar.update()
+    bar.close()
+    rows = []
+    for preset in presets.REGISTRY:
+        config, record = presets.objective(preset.name), found[preset.name]
+
+        def agreed(values: list[str]) -> str:
+            return values[0] if len(set(values)) == 1 else "mixed"
+
+        clamps = ", ".join(f"{name} {value:g}" for name, value in (("log-ratio", config.kl_log_ratio_clamp),
+                                                                    ("value", config.kl_value_clamp)) if value)
+        tis = "-" if config.tis_cap is None else (f"{config.tis_level} {config.tis_mode} "
+                                                   f"[{config.tis_floor or 0:g}, {config.tis_cap:g}]")
+        rows.append(PresetRow(preset.name, preset.library, config.beta, config.estimator if config.placement != "none"
+                              else "-", config.placement, config.kl_loss_ratio if config.kl_in_loss else "-",
+                              clamps or "-", tis, agreed(record["on"]), max(record["err_on"]), agreed(record["off"]),
+                              max(record["err_off"]), sum(record["var"]) / len(record["var"]), preset.source.cite))
+    return rows
+
+
+def presets_markdown(rows: list[PresetRow], setup: dict[str, object]) -> str:
+    lines = [
+        f"Each library's default KL configuration (trainer.presets), audited exactly: vocabulary {setup['vocab']}, "
+        f"length {setup['length']}, group size {setup['group_size']}, RLOO, seeds {setup['seeds']}, every preset at "
+        f"beta {setup['beta']} (the library's own default in its column). The KL part of the expected gradient, "
+        "(E[grad loss] - E[grad loss, no KL]) / beta, on-policy and off-policy (samples of mu, PPO's token ratios, "
+        "the reward's KL from the sampler, as the libraries compute it); err: worst relative error against grad "
+        "KL(pi || pi_ref); var: of the KL part of one group's gradient, on-policy. On these instances no clamp "
+        "binds (|l| < 3): the clamps change nothing here, only beyond them.",
+        "",
+        "| preset | library | its beta | estimator | placement | KL-loss weight | clamps | engine weights "
+        "| the KL gradient, on-policy | unbiased on-policy | off-policy | unbiased off-policy | err on / off | var "
+        "| read from |",
+        "|---|---|---:|---|---|---|---|---|---|---|---|---|---|---:|---|",
+    ]
+    for r in rows:
+        on, off = r.unbiased
+        lines.append(f"| {r.preset} | {r.library} | {r.library_beta:g} | {r.estimator} | {r.placement} "
+                     f"| {r.kl_loss_ratio} | {r.clamps} | {r.engine_weights} | {WORDS.get(r.on_policy, r.on_policy)} "
+                     f"| {'yes' if on else 'no'} | {r.off_policy} | {'yes' if off else 'no'} "
+                     f"| {r.err_on_policy:.1e} / {r.err_off_policy:.1e} | {r.var_kl:.3f} | {r.source} |")
+    return "\n".join(lines)
+
+
+def records(rows: list) -> list[dict[str, object]]:
+    """Plain dicts (for CSV and JSON), one per row."""
+    return [{**asdict(row), **({"agrees": row.agrees} if hasattr(row, "agrees") else {})} for row in rows]
