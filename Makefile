@@ -6,8 +6,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.klstudy-installed
 VLLM_STAMP := $(VENV)/.klstudy-vllm-installed
+DOCS_STAMP := $(VENV)/.klstudy-docs-installed
 
-.PHONY: setup setup-vllm study study-offpolicy study-peers test
+.PHONY: setup setup-vllm study study-offpolicy study-peers test test-fast docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,3 +46,21 @@ study-peers: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# The unit tier for daily work, over the cores: everything but the files that train, run studies,
+# start servers, engines or clusters, and the tests marked slow (docs/testing.md has the tiers' times).
+FAST_EXCLUDED := test_workflow test_slurm test_train test_distributed test_vllm_training test_vllm_engine \
+	test_rollout_contract test_tracking test_eval test_doc_commands test_mlflow_ui test_model_import \
+	test_smollm2_pipeline test_smollm2_rollout test_smollm2_study test_peers_study test_peers_training
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -m "not slow" $(foreach f,$(FAST_EXCLUDED),--ignore=tests/$(f).py)
+
+# The documentation site (mkdocs.yml), built into site/; --strict: a broken link or a page missing from
+# the nav fails it. CI builds it (.ci/run).
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[test,docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

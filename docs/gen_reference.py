@@ -1,0 +1,268 @@
+"""The site's reference pages, written at every build from the code they describe, so they cannot drift.
+
+An MkDocs hook (mkdocs.yml, `hooks:`): `on_files` adds each page of PAGES as a generated file. The run
+config comes from trainer/config.py's dataclasses (type, default, the comment or docstring line that
+says what a key does), the study config from workflow/config/schema.yaml, the CLIs from their own
+argparse parsers, the shipped studies from their configs and the benchmarks from their scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib
+import inspect
+import logging
+import os
+import re
+import typing
+from pathlib import Path
+from unittest import mock
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+GENERATED = "*Generated from {source} at each build of this site; edit the source, not this page.*\n"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _yaml(value: typing.Any) -> str:
+    plain = list(value) if isinstance(value, tuple) else value
+    return yaml.safe_dump(plain, default_flow_style=True, width=1000).removesuffix("\n...\n").strip()
+
+
+def _type_name(annotation: typing.Any) -> str:
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+
+
+# --- run config: trainer/config.py -------------------------------------------------------------------------
+
+
+def _docstring_entries(cls: type, names: set[str]) -> dict[str, str]:
+    """A field-list docstring (ObjectiveConfig's) as field -> text; an indented `word  text` line starts a
+    sub-item on a line of its own."""
+    entries, current = {}, None
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        head = re.match(r"^(\w+)\s{2,}(.*)", line)
+        if head and head.group(1) in names:
+            current = head.group(1)
+            entries[current] = head.group(2)
+        elif current and line.strip():
+            item = re.match(r"^\s+([\w.+-]+)\s{2,}(\S.*)", line)
+            entries[current] += f"<br>`{item.group(1)}` {item.group(2)}" if item else f" {line.strip()}"
+    return {name: _cell(text) for name, text in entries.items()}
+
+
+def _section_page(prefix: str, cls: type) -> list[str]:
+    """One run-config section: its fields in source order with the comments on their lines; a comment
+    line of its own (`# vllm only ...`) introduces the fields after it."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    documented = _docstring_entries(cls, set(fields))
+    doc = inspect.getdoc(cls) or ""
+    doc = "" if doc.startswith(f"{cls.__name__}(") else doc  # dataclass's own signature, not a docstring
+    lines = [f"## `{prefix}`", ""]
+    if doc and not documented:
+        lines += [doc, ""]
+    header = ["| key | type | default | what it does |", "|---|---|---|---|"]
+    lines += header
+    for source in inspect.getsource(cls).splitlines():
+        note = re.match(r"^    #\s?(.*)", source)
+        if note:
+            lines += ["", _cell(note.group(1)), "", *header]
+            continue
+        field = re.match(r"^    (\w+): [^#]*?(?:\s+#\s?(.*))?$", source)
+        if not field or field.group(1) not in fields:
+            continue
+        name = field.group(1)
+        spec = fields[name]
+        default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+        what = _cell(field.group(2) or "") or documented.get(name, "")
+        lines.append(f"| `{prefix}.{name}` | `{_cell(_type_name(hints[name]))}` | `{_yaml(default)}` | {what} |")
+    return lines + [""]
+
+
+def run_config_page() -> str:
+    from trainer.config import RunConfig
+
+    hints = typing.get_type_hints(RunConfig)
+    lines = ["# Run config keys", "", GENERATED.format(source="`trainer/config.py` and `trainer/objective_config.py`"),
+             "A run config (`python -m trainer train --config FILE`) has these sections. Every key can be",
+             "overridden on the command line as `section.key=value` (read as YAML), and a study config's `run:`",
+             "block holds the same sections. A bad value stops the run before any model loads, with an error",
+             "that names its key.", ""]
+    for field in dataclasses.fields(RunConfig):
+        lines += _section_page(field.name, hints[field.name])
+    return "\n".join(lines)
+
+
+# --- study config: workflow/config/schema.yaml -------------------------------------------------------------
+
+
+def _schema_rows(schema: dict, key: str, required: bool, rows: list[tuple[str, str, str]]) -> None:
+    from sweep.config_schema import expected
+
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[-1]
+        rows.append((key, f"see [{name}](#{name})", schema.get("description", "")))
+        return
+    notes = ["required"] if required else []
+    notes += [f"default `{_yaml(schema['default'])}`"] if "default" in schema else []
+    options = schema.get("oneOf", [])
+    if options and all(set(option) == {"required"} for option in options):  # a choice of keys
+        expects = "exactly one of " + " and ".join(f"`{name}`" for option in options for name in option["required"])
+    else:
+        expects = expected(schema)
+    if key:
+        description = schema.get("description", "")
+        notes += [description] if description and description != expects else []
+        rows.append((key, expects, "; ".join(notes)))
+    for name, sub in schema.get("properties", {}).items():
+        _schema_rows(sub, f"{key}.{name}" if key else name, name in schema.get("required", []), rows)
+    for pattern, sub in schema.get("patternProperties", {}).items():
+        rows.append((f"{key}.<dotted.key>" if key else "<dotted.key>", expected(sub) if "type" in sub else "any value",
+                     f"a key matching `{pattern}`: {sub.get('description', '')}"))
+    if isinstance(schema.get("additionalProperties"), dict):
+        _schema_rows(schema["additionalProperties"], f"{key}.<name>", False, rows)
+    if isinstance(schema.get("items"), dict) and ("$ref" in schema["items"] or "properties" in schema["items"]):
+        _schema_rows(schema["items"], f"{key}[]", False, rows)
+
+
+def _schema_table(schema: dict) -> list[str]:
+    rows: list[tuple[str, str, str]] = []
+    _schema_rows(schema, "", False, rows)
+    return ["| key | expects | notes |", "|---|---|---|",
+            *(f"| `{key}` | {_cell(expects)} | {_cell(notes)} |" for key, expects, notes in rows), ""]
+
+
+def study_config_page() -> str:
+    from sweep.config_schema import expected
+
+    schema = yaml.safe_load((REPO / "workflow" / "config" / "schema.yaml").read_text())
+    lines = ["# Study config keys", "", GENERATED.format(source="`workflow/config/schema.yaml`"),
+             "A study config (`snakemake --configfile FILE`) is checked whole before the DAG is built: first by",
+             "`sweep.grid` (names, grid semantics, every run's config), then against this schema, one line per",
+             "error naming the key. The `run` sections are the [run config](run-config.md).", "",
+             "## The study", "", *_schema_table(schema)]
+    for name, definition in schema.get("definitions", {}).items():
+        body = _schema_table(definition) if "properties" in definition else [f"{expected(definition)}.", ""]
+        lines += [f"## {name}", "", *body]
+    return "\n".join(lines)
+
+
+# --- command lines: the packages' argparse parsers ---------------------------------------------------------
+
+
+class _Parser(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        self.parser = parser
+
+
+def cli_parser(package: str) -> argparse.ArgumentParser:
+    """`python -m <package>`'s parser as its main() builds it, stopped before it parses."""
+    def capture(self, args=None, namespace=None):
+        raise _Parser(self)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
+        try:
+            importlib.import_module(f"{package}.__main__").main([])
+        except _Parser as built:
+            return built.parser
+    raise RuntimeError(f"{package}.__main__.main() built no argument parser")
+
+
+def cli_page() -> str:
+    lines = ["# Command lines", "", GENERATED.format(source="each package's argparse parser"),
+             "Each command's `--help`, as `python -m trainer|eval|sweep ... --help` prints it.", ""]
+    with mock.patch.dict(os.environ, {"COLUMNS": "100"}):
+        for package in ("trainer", "eval", "sweep"):
+            parser = cli_parser(package)
+            lines += [f"## `{parser.prog}`", "", "```text", parser.format_help().rstrip(), "```", ""]
+            for action in parser._actions:
+                for name, sub in getattr(action, "choices", None).items() if isinstance(
+                        action, argparse._SubParsersAction) else ():
+                    lines += [f"### `{parser.prog} {name}`", "", "```text", sub.format_help().rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+# --- the shipped studies and the benchmarks ----------------------------------------------------------------
+
+
+def _leading_comment(path: Path) -> str:
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# "))
+    return " ".join(lines)
+
+
+def studies_page() -> str:
+    from sweep.grid import load_study
+
+    logging.getLogger("sweep.grid").setLevel(logging.ERROR)  # a study's data not yet exported is no news here
+    lines = ["# The shipped studies", "", GENERATED.format(source="`workflow/config/*.yaml`"),
+             "Each study config in `workflow/config/`, what it says it studies, and the runs its grid expands",
+             "to. Run one with `.venv/bin/snakemake --profile profiles/local --configfile FILE` (`toy.yaml` is",
+             "the default: `make study`); add `-n` to see the plan without running it.", ""]
+    for path in sorted((REPO / "workflow" / "config").glob("*.yaml")):
+        if path.name == "schema.yaml":
+            continue
+        data = yaml.safe_load(path.read_text())
+        if "models" not in data:  # an override file, which Snakemake merges over another study config
+            lines += [f"## `{path.relative_to(REPO)}`", "", "An override of another study config.", "",
+                      _leading_comment(path), ""]
+            continue
+        study = load_study(data)
+        lines += [f"## `{path.relative_to(REPO)}`", "",
+                  f"Study `{study.name}`: {len(study.runs)} runs of {', '.join(f'`{m}`' for m in study.models)};"
+                  f" results under `{study.results}`.", "", _leading_comment(path), ""]
+    return "\n".join(lines)
+
+
+def _options(tree: ast.AST) -> list[str]:
+    """The `add_argument` calls of a script, read from its source without running it."""
+    rows = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+            names = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
+            keywords = {k.arg: k.value for k in node.keywords}
+            help_node = keywords.get("help")
+            if isinstance(help_node, ast.Attribute) and help_node.attr == "SUPPRESS":  # internal: a child's
+                continue
+            help_text = help_node.value if isinstance(help_node, ast.Constant) else ""
+            default = f"`{_cell(ast.unparse(keywords['default']))}`" if "default" in keywords else ""
+            rows.append(f"| `{' '.join(names)}` | {default} | {_cell(help_text)} |")
+    return rows
+
+
+def benchmarks_page() -> str:
+    lines = ["# Benchmarks", "", GENERATED.format(source="`benchmarks/*.py`"),
+             "Each benchmark measures klstudy side by side with a peer or an alternative, in one run, and",
+             "reports ratios. Its docstring says what it measures; its options are below.", ""]
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        paragraphs = (ast.get_docstring(tree) or "").split("\n\n")
+        lines += [f"## `{path.name}`", "", " ".join(paragraphs[0].split()), "",
+                  f"`python benchmarks/{path.name}`", ""]
+        options = _options(tree)
+        if options:
+            lines += ["| option | default | what it sets |", "|---|---|---|", *options, ""]
+    return "\n".join(lines)
+
+
+PAGES = {"reference/run-config.md": run_config_page, "reference/study-config.md": study_config_page,
+         "reference/cli.md": cli_page, "results/studies.md": studies_page, "benchmarks/index.md": benchmarks_page}
+
+
+def on_files(files, config):
+    """MkDocs hook: each page of PAGES, generated."""
+    from mkdocs.structure.files import File
+
+    for path, build in PAGES.items():
+        files.append(File.generated(config, path, content=build()))
+    return files

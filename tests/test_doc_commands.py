@@ -1,0 +1,68 @@
+"""The documentation's runnable commands, run as written.
+
+A ```bash block on the line after `<!-- runnable -->` in a page under docs/ is runnable: its commands
+(split as tests/test_readme.py splits the README's) run one after another, from the repository root as
+a reader would, in a copy of the root made of links, so that what they write (results/, .snakemake/)
+lands in a temporary directory. Each block runs on its own, from a clean copy. Mark only blocks that
+run here in seconds to a minute: the others are for the reader.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_readme import _bash_commands, _program_words
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+MARKER = "<!-- runnable -->"
+LEFT_OUT = {".git", "results", ".snakemake", "site"}  # what a command writes, or need not see
+
+
+def runnable_blocks(docs: Path = DOCS) -> list[tuple[str, int, list[tuple[int, str, list[str], str]]]]:
+    """(page, line of the block's first command, its commands) for every runnable block under `docs`."""
+    found = []
+    for page in sorted(docs.rglob("*.md")):
+        text = page.read_text()
+        for marker in re.finditer(rf"^{re.escape(MARKER)}\n", text, re.M):
+            block = re.compile(r"```bash\n(.*?)^```", re.M | re.S).match(text, marker.end())
+            name, line = str(page.relative_to(docs.parent)), text[:marker.start()].count("\n") + 1
+            assert block, f"{name} line {line}: {MARKER} is not followed by a ```bash block"
+            found.append((name, line + 2, _bash_commands(block.group(1).splitlines(), line + 2)))
+    return found
+
+
+BLOCKS = runnable_blocks()
+
+
+def test_runnable_blocks_are_found(tmp_path):
+    """The extraction itself: a marked block's commands, with continuations joined and comments dropped,
+    and a marker before anything but a bash block is an error rather than a block silently not run."""
+    assert any(page == "docs/index.md" for page, _, _ in BLOCKS)
+    (tmp_path / "page.md").write_text(f"text\n{MARKER}\n```bash\nmake a \\\n  b   # comment\nls && cat x\n```\n"
+                                      "```bash\nnot marked\n```\n")
+    [(_, line, commands)] = runnable_blocks(tmp_path)
+    assert line == 4
+    assert [(at, words) for at, _, words, _ in commands] == [(4, ["make", "a", "b"]), (6, ["ls"]), (6, ["cat", "x"])]
+    (tmp_path / "page.md").write_text(f"{MARKER}\n\n```bash\nls\n```\n")
+    with pytest.raises(AssertionError, match="not followed by a ```bash block"):
+        runnable_blocks(tmp_path)
+
+
+@pytest.mark.parametrize("page, line, commands", BLOCKS, ids=[f"{page}:{line}" for page, line, _ in BLOCKS])
+def test_runnable_doc_commands_run(page, line, commands, tmp_path):
+    for entry in REPO.iterdir():
+        if entry.name not in LEFT_OUT:
+            (tmp_path / entry.name).symlink_to(entry)
+    for at, _, words, _ in commands:
+        program = _program_words(words)
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+                   **dict(word.split("=", 1) for word in words[:len(words) - len(program)]))
+        done = subprocess.run(program, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+        assert done.returncode == 0, f"{page} line {at}: `{shlex.join(words)}` exited {done.returncode}:\n{tail}"
