@@ -256,11 +256,15 @@ def test_interrupted_snakemake_leaves_no_job_in_squeue(slurm, tmp_path):
 @pytest.mark.slow
 def test_a_failing_job_names_its_log(slurm, tmp_path):
     config = json.loads(json.dumps(SMALL))
-    config["models"] = {"missing": {"path": str(tmp_path / "no-such-model")}}
+    # a directory the study check accepts (it holds a config.json), but no tokenizer: the prepare job fails
+    broken = tmp_path / "no-tokenizer"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    config["models"] = {"missing": {"path": str(broken)}}
     result = snakemake(tmp_path, write_config(tmp_path, config), *SLURM)
     assert result.returncode != 0
     match = re.search(r"SLURM job (\S+) ended FAILED\. Its log: (\S+)", result.stderr)
     assert match, result.stderr[-4000:]
     log = Path(match.group(2))
     assert log.is_file() and "exited with status" in log.read_text()
-    assert "does not exist" in (tmp_path / "results" / "logs" / "prepare" / "missing.log").read_text()
+    assert "could not load the tokenizer" in (tmp_path / "results" / "logs" / "prepare" / "missing.log").read_text()

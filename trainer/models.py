@@ -107,7 +107,7 @@ def load_tokenizer(name_or_path: str):
     source, local_only = resolve(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a directory without tokenizer files
         raise ModelNotFoundError(f"could not load the tokenizer of {name_or_path!r}: {error}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
