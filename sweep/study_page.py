@@ -19,6 +19,7 @@ import re
 import time
 from typing import Any
 
+from sweep.concurrent_tags import set_experiment_tag
 from sweep.runs import RunRecord
 
 VIEW_PREFIX = "mlflow.sharedViewState."  # MLflow's own prefix: the UI lists these in its "Views" menu
@@ -112,5 +113,5 @@ def publish_views(client, experiment_id: str, records: list[RunRecord]) -> None:
         if state != old:
             envelope = {"name": VIEW_NAMES[key], "createdAt": created or now, "updatedAt": now,
                         "state": json.dumps(state)}
-            client.set_experiment_tag(experiment_id, VIEW_PREFIX + key, json.dumps(envelope))
+            set_experiment_tag(client, experiment_id, VIEW_PREFIX + key, json.dumps(envelope))
 

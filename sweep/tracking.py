@@ -19,6 +19,7 @@ from collections import deque
 from pathlib import Path
 
 from sweep import study_page, sync_records  # study_page: what the UI shows of the study
+from sweep.concurrent_tags import set_experiment_tag
 from sweep.run_sync import TAG_ROLE, TAG_STUDY, Store, SyncReport, active_run, claim_run, find_runs, sync_run
 from sweep.runs import load_runs, study_axes
 from trainer.run_files import COMPLETE
@@ -135,7 +136,7 @@ def _study_claim(client, study: str, artifacts: str | None, directory: Path, gen
         experiment = client.get_experiment_by_name(name)
     experiment_id = experiment.experiment_id
     if experiment.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
-        client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
+        set_experiment_tag(client, experiment_id, *EXPERIMENT_KIND)
     tags = {TAG_ROLE: "study", TAG_STUDY: study}
     held, _ = claim_run(client, directory, "study", generation, stale,
                         find=lambda: find_runs(client, experiment_id, tags),

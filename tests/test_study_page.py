@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from study_fixture import write_run
 
 from sweep import study_page
@@ -51,3 +52,24 @@ def test_the_views_gain_the_columns_of_later_runs_keep_those_of_others_and_chang
     run = client.get_run(synced.child_run_ids["toy__k1-reward__b0.1__s0"])
     assert run.data.tags["klstudy.point"] == "toy__k1-reward__b0.1"
     assert run.data.tags["mlflow.note.content"].startswith("**k1-reward**, model toy, beta 0.1, ")
+
+
+def test_a_tag_two_processes_write_first_at_once_is_not_an_error_for_the_loser():
+    """MLflow's stores insert a new experiment tag: the second of two first writers gets the
+    database's uniqueness error (seen in the two-process sync test: 'UNIQUE constraint failed:
+    experiment_tags.key, experiment_tags.experiment_id'); the tag is there, so the loser goes on."""
+    from mlflow.exceptions import MlflowException
+
+    from sweep.concurrent_tags import set_experiment_tag
+
+    class Racing:
+        def __init__(self, message):
+            self.message = message
+
+        def set_experiment_tag(self, experiment_id, key, value):
+            raise MlflowException(self.message)
+
+    set_experiment_tag(Racing("(sqlite3.IntegrityError) UNIQUE constraint failed: experiment_tags.key, "
+                              "experiment_tags.experiment_id"), "4", "mlflow.experimentKind", "x")
+    with pytest.raises(MlflowException, match="PERMISSION_DENIED"):
+        set_experiment_tag(Racing("PERMISSION_DENIED: no"), "4", "k", "v")
