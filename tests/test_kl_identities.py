@@ -280,7 +280,7 @@ def test_audit_verdicts_agree_with_kl_theory_and_rank_the_unbiased_by_their_exac
     assert all(r.agrees is not False for r in on_policy), [(r.estimator, r.placement, r.verdict) for r in on_policy]
     assert sum(r.agrees is True for r in on_policy) == 16
     assert result.pg_error["on-policy"] < TOL
-    # The README's answer to "which unbiased configuration is least noisy": the same mean, k3's
+    # docs/concepts/audits.md's answer to "which unbiased configuration is least noisy": the same mean, k3's
     # control variate in the loss takes most of the KL part's variance away; k1-loss's zero mean
     # comes with noise of its own, which it adds to k1-reward.
     sequence = [r for r in result.rows if r.pg_ratio == "sequence"]

@@ -150,7 +150,7 @@ def test_the_study_runs_description_is_the_results_table(served):
 
 
 def test_a_server_with_basic_auth_shows_the_study_after_login_and_refuses_without(tmp_path):
-    """The README's basic-auth recipe: with the credentials the browser sees the landing page; without
+    """The basic-auth recipe of docs/guides/tracking.md: with the credentials the browser sees the landing page; without
     them, or with a wrong password, it gets the server's refusal, not an empty study."""
     require_browser()
     config = tmp_path / "basic_auth.ini"

@@ -1,4 +1,4 @@
-"""Every command in the README is checked, so that one that fails as written fails CI.
+"""Every command in the README and in the docs pages is checked, so that one that fails as written fails CI.
 
 A command is a line of a ```bash block (continuations joined, `&&` split, here-documents skipped),
 a usage line (an unlabelled block or an inline span: `[...]`, `a | b` and `...` are read as usage),
@@ -11,10 +11,11 @@ running it:
   without values (`python -m sweep track --follow`) must name a subcommand and options that its
   `--help` shows.
 - `snakemake ...`: Snakemake's own command-line parser, with the profile; each --configfile must
-  exist and its study pass the Snakefile's check (sweep.study_check).
+  exist, and the study they make, merged in order as Snakemake merges them (an override file over a
+  study), must pass the Snakefile's check (sweep.study_check).
 - `mlflow ...`: MLflow's click command reads the options.
 - `make TARGET`: `make -n` knows the target. `pip install -e ".[x]"`: pyproject declares extra x.
-  `profiles/slurm/local-cluster.sh X`: its usage line lists X.
+  `profiles/slurm/local-cluster.sh X`, `benchmarks/smol_gpu.sh X`: its usage line lists X.
 - Shell built-ins and system tools (export, cat, chmod, ssh, rm, `.`) are passed by name; any other
   program fails the test until it gets a check here.
 """
@@ -40,6 +41,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]  # the generated reference pages are not files
 PACKAGES = ("trainer", "eval", "sweep")
 SHELL = {"export", "cat", "chmod", "ssh", "rm", ".", "source", "cd", "ls"}
 
@@ -76,9 +78,9 @@ def _is_command(words: list[str]) -> bool:
                             or words[0].startswith(("profiles/", "benchmarks/")))
 
 
-def readme_commands() -> list[tuple[int, str, list[str], str]]:
-    """(README line, the text, its words, its kind: "run" (a ```bash line), "usage" or "inline")."""
-    text = README.read_text()
+def page_commands(page: Path) -> list[tuple[int, str, list[str], str]]:
+    """(line, the text, its words, its kind: "run" (a ```bash line), "usage" or "inline") in a Markdown page."""
+    text = page.read_text()
     found, fenced = [], set()
     for block in re.finditer(r"^( *)```(\w*)\n(.*?)^ *```", text, re.M | re.S):
         start = text[:block.start()].count("\n") + 1
@@ -200,6 +202,7 @@ def _placeholder(value: str) -> bool:
 def check_snakemake(words: list[str], label: str, monkeypatch) -> None:
     import yaml
     from snakemake.cli import parse_args
+    from snakemake.utils import update_config
 
     from sweep.study_check import check_study
 
@@ -209,11 +212,14 @@ def check_snakemake(words: list[str], label: str, monkeypatch) -> None:
             _, args = parse_args(words[1:])
         except SystemExit:
             pytest.fail(f"{label}: {err.getvalue().strip().splitlines()[-1]}")
-    for config in args.configfile or []:
-        if _placeholder(str(config)):
-            continue
-        assert Path(config).is_file(), f"{label}: no {config}"
-        check_study(yaml.safe_load(Path(config).read_text()), REPO / "workflow" / "config" / "schema.yaml")
+    configs = [Path(config) for config in args.configfile or [] if not _placeholder(str(config))]
+    for config in configs:
+        assert config.is_file(), f"{label}: no {config}"
+    if configs:
+        study: dict = {}
+        for config in configs:  # later files override earlier ones, as Snakemake's --configfile does
+            update_config(study, yaml.safe_load(config.read_text()))
+        check_study(study, REPO / "workflow" / "config" / "schema.yaml")
 
 
 _MLFLOW_PARSE = """
@@ -257,24 +263,24 @@ def check_script(words: list[str], label: str) -> None:
     assert usage and words[1] in usage.group(1).split("|"), f"{label}: {words[0]} has no subcommand {words[1]}"
 
 
-COMMANDS = readme_commands()
+COMMANDS = [(str(page.relative_to(REPO)), *command) for page in PAGES for command in page_commands(page)]
 
 
-def test_the_readme_has_commands_of_every_kind():
+def test_the_pages_have_commands_of_every_kind():
     """The extraction itself: the fenced, usage and inline commands are all found (a change in the
-    README's markup must not make this test check nothing)."""
-    texts = [text for _, text, _, _ in COMMANDS]
-    assert len(COMMANDS) > 60
+    pages' markup must not make this test check nothing)."""
+    texts = [text for _, _, text, _, _ in COMMANDS]
+    assert len(COMMANDS) > 100 and {page for page, *_ in COMMANDS} >= {"README.md", "docs/index.md"}
     assert ".venv/bin/snakemake --profile profiles/local" in texts  # a fenced bash line
     assert any(text.startswith("python -m trainer audit [--out DIR]") for text in texts)  # a usage block
     assert any(text.startswith("python -m trainer train --out results/runs/demo model.path=") for text in texts)  # \\
     assert any("mlflow server --app-name basic-auth" in text for text in texts)  # after a here-document
-    assert ("pip install -e \".[test]\"", "inline") in [(text, kind) for _, text, _, kind in COMMANDS]
+    assert ("pip install -e \".[test]\"", "inline") in [(text, kind) for _, _, text, _, kind in COMMANDS]
 
 
-@pytest.mark.parametrize("line, text, words, kind", COMMANDS, ids=[f"line{c[0]}" for c in COMMANDS])
-def test_every_readme_command_parses_as_written(line, text, words, kind, monkeypatch):
-    label = f"README line {line}: `{text}`"
+@pytest.mark.parametrize("page, line, text, words, kind", COMMANDS, ids=[f"{c[0]}:{c[1]}" for c in COMMANDS])
+def test_every_command_parses_as_written(page, line, text, words, kind, monkeypatch):
+    label = f"{page} line {line}: `{text}`"
     for command in _usage_tokens(_program_words(words)) if kind == "usage" else [_program_words(words)]:
         program = Path(command[0]).name
         if command[0] in SHELL:
@@ -289,31 +295,38 @@ def test_every_readme_command_parses_as_written(line, text, words, kind, monkeyp
             check_make(command, label)
         elif program == "pip":
             check_pip(command, label)
-        elif command[0].startswith("profiles/"):
+        elif command[0].startswith("profiles/") or command[0].endswith(".sh"):
             check_script(command, label)
         else:
             pytest.fail(f"{label}: no check for the program {command[0]} (add one to tests/test_readme.py)")
 
 
-def _sections() -> set[str]:
+def _sections(page: Path) -> set[str]:
     """What a reference may name: a heading, a heading's part before its colon, a bold paragraph title."""
-    text = README.read_text()
+    text = page.read_text()
     headings = re.findall(r"^#+ (.+)$", text, re.M)
     return ({h.strip("` ") for h in headings} | {h.split(":")[0] for h in headings}
             | set(re.findall(r"^\*\*([^*]+?)\.?\*\*", text, re.M)))
 
 
-def test_every_reference_to_a_readme_section_names_one():
-    """`README, "X"` in the repository's files and `see "X"` in the README itself. profiles/local cited
-    "Forcing a rerun", a section the README does not have."""
-    sections = _sections()
-    cited = [(README.name, name) for pair in re.findall(r'(?:see|in) "([^"]+)"|"([^"]+)" (?:below|above)',
-                                                         README.read_text()) for name in pair if name]
+_CITATION = re.compile(r'(README|docs/[\w/.-]+\.md|\]\(([\w/.-]+\.md)(?:#[\w-]*)?\)), "([^"]+)"')
+
+
+def test_every_reference_to_a_section_names_one():
+    """`README, "X"`, `docs/page.md, "X"` and `[page](page.md), "X"` in the repository's files, and
+    `see "X"` in the README itself, name a section of that page. profiles/local cited "Forcing a
+    rerun", a section the README did not have."""
+    cited = [(README.name, README, name) for pair in re.findall(r'(?:see|in) "([^"]+)"|"([^"]+)" (?:below|above)',
+                                                                 README.read_text()) for name in pair if name]
     for root, dirs, files in os.walk(REPO):
-        dirs[:] = [d for d in dirs if d not in (".git", ".venv", "results", ".snakemake", "__pycache__")]
+        dirs[:] = [d for d in dirs if d not in (".git", ".venv", "results", ".snakemake", "__pycache__", "site")]
         for path in (Path(root) / name for name in files):
             if path.suffix in (".py", ".yaml", ".smk", ".md", ".toml", ".sh", "") and path != Path(__file__):
-                cited += [(str(path.relative_to(REPO)), name)
-                          for name in re.findall(r'README, "([^"]+)"', path.read_text(errors="replace"))]
-    assert len(cited) > 20
-    assert [(where, name) for where, name in cited if " ".join(name.split()) not in sections] == []
+                for target, link, name in _CITATION.findall(path.read_text(errors="replace")):
+                    page = (path.parent / link).resolve() if link else REPO / target
+                    cited.append((str(path.relative_to(REPO)), page, name))
+    assert len(cited) > 15
+    assert {page for _, page, _ in cited} >= {REPO / "docs" / "guides" / "study.md", REPO / "docs" / "peers.md"}
+    sections = {page: _sections(page) for page in {page for _, page, _ in cited} if page.is_file()}
+    assert [(where, str(page.relative_to(REPO)), name) for where, page, name in cited
+            if " ".join(name.split()) not in sections.get(page, ())] == []

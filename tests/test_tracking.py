@@ -423,7 +423,7 @@ PASSWORD = "s3cret-Pass-8817"
 
 
 def test_a_server_with_basic_auth_takes_the_credentials_from_mlflows_variables_and_refuses_others(tmp_path):
-    """The README's recipe: `mlflow server --app-name basic-auth` on 127.0.0.1. With
+    """The recipe of docs/guides/tracking.md: `mlflow server --app-name basic-auth` on 127.0.0.1. With
     MLFLOW_TRACKING_USERNAME/PASSWORD the sync goes through; without, or with a wrong password, one
     error says what to set. The password appears in no output, result file or MLflow param."""
     config = tmp_path / "basic_auth.ini"

@@ -340,7 +340,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                        "can be overridden as section.key=value. Running the same command again resumes "
                        "from the newest valid checkpoint; a finished run is left alone. Exit status 75 "
                        "means: preempted by SIGTERM, checkpointed, run again to resume.")
-    p.add_argument("--config", type=Path, help="run config YAML (see the README for every key)")
+    p.add_argument("--config", type=Path, help="run config YAML (docs/reference/run-config.md lists every key)")
     p.add_argument("--out", type=Path, required=True, help="run directory")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.set_defaults(func=_run_train)
