@@ -3,7 +3,7 @@
 A model trains a few steps per setting, side by side, with truncated importance sampling on
 (objective.tis_cap 2): the warm toy (a tiny Llama after a supervised warm-up on one-digit sums,
 completions of up to 4 tokens), or with --model qwen0.5b-shape a random model of Qwen2.5-0.5B's
-sizes (`trainer.models.QWEN_05B_SHAPE`; completions of up to 32 tokens). Each step
+sizes (`trainer.model.models.QWEN_05B_SHAPE`; completions of up to 32 tokens). Each step
 logs the engine's log-probs of its own samples against the trainer's log-probs of the same tokens
 under the same weights; this prints their medians over the steps, per setting:
 
@@ -43,7 +43,7 @@ KEYS = ("mismatch_logp_mean", "mismatch_logp_max", "mismatch_kl", "tis_weight_me
 
 
 def build(name: str, out: Path) -> Path:
-    from trainer.models import QWEN_05B_SHAPE, ToyModelSpec, build_toy_model
+    from trainer.model.models import QWEN_05B_SHAPE, ToyModelSpec, build_toy_model
     from trainer.sft import sft
 
     if name == "qwen0.5b-shape":

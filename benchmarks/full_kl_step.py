@@ -73,7 +73,7 @@ def main() -> None:
         Path(args.result).write_text(json.dumps(run_side(args.child, args)))
         return
     if args.model is None:
-        from trainer.models import ToyModelSpec, build_toy_model
+        from trainer.model.models import ToyModelSpec, build_toy_model
 
         spec = ToyModelSpec(hidden_size=128, num_layers=4, intermediate_size=512, vocab_size=args.vocab)
         args.model = str(build_toy_model(Path(tempfile.mkdtemp()) / "model", spec))

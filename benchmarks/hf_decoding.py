@@ -4,7 +4,7 @@ Each mode (rollout.hf_decoding eager, compiled) runs in its own process, since c
 per process: its first generation (the compile, and CUDA graph capture) is timed apart, then --rounds
 generations of --prompts x --group rows of --length new tokens, from a randomly initialised model
 built here: the toy Llama of benchmarks/trainer_vs_trl.py, or (--model qwen0.5b-shape) Qwen2.5-0.5B's
-sizes (`trainer.models.QWEN_05B_SHAPE`, 494 M parameters). A step is one token for every row: the
+sizes (`trainer.model.models.QWEN_05B_SHAPE`, 494 M parameters). A step is one token for every row: the
 generation's time over its steps (the prompts' pass included). On CUDA the bound beside it is the
 time to read the weights once from memory, their bytes over --bandwidth (an H100's HBM3: about 3e12
 bytes/s). The last line is
@@ -30,7 +30,7 @@ MODES = ("eager", "compiled")
 
 
 def build(name: str, out: Path) -> Path:
-    from trainer.models import QWEN_05B_SHAPE, ToyModelSpec, build_toy_model
+    from trainer.model.models import QWEN_05B_SHAPE, ToyModelSpec, build_toy_model
 
     spec = QWEN_05B_SHAPE if name == "qwen0.5b-shape" else ToyModelSpec(hidden_size=128, num_layers=4,
                                                                         intermediate_size=512, seed=0)
@@ -40,7 +40,7 @@ def build(name: str, out: Path) -> Path:
 def child(mode: str, args: argparse.Namespace) -> None:
     import torch
 
-    from trainer.models import load_model, load_tokenizer
+    from trainer.model.models import load_model, load_tokenizer
     from trainer.rollout.base import SamplingParams, sample_seeds
     from trainer.rollout.hf import HFEngine
     from trainer.tasks import make_task

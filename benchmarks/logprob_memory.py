@@ -1,7 +1,7 @@
 """Peak memory of per-token log-probs with their gradients: the naive [N, V] computation against the
-chunked one (trainer/chunked_logprobs.py), on a realistic vocabulary and hidden size, on CPU. With
+chunked one (trainer/model/chunked_logprobs.py), on a realistic vocabulary and hidden size, on CPU. With
 `--quantity full-kl`, the same for the exact next-token KL between the policy and a frozen reference
-(estimator full, trainer/full_kl.py), whose naive side holds both models' [N, V] logits.
+(estimator full, trainer/objective/full_kl.py), whose naive side holds both models' [N, V] logits.
 
 Each side runs in its own child process: it allocates the hidden states [N, H] and the output layer
 [V, H] (both requiring gradients), records its resident memory, runs forward and backward, and
@@ -39,8 +39,8 @@ def _status(field: str) -> int:
 def child(side: str, quantity: str, tokens: int, vocab: int, hidden_size: int, chunk: int) -> None:
     import torch
 
-    from trainer.chunked_logprobs import token_logprobs
-    from trainer.full_kl import HeadInputs, token_kl, token_kl_naive
+    from trainer.model.chunked_logprobs import token_logprobs
+    from trainer.objective.full_kl import HeadInputs, token_kl, token_kl_naive
 
     def per_token(hidden, weight, targets, ref_hidden, ref_weight):
         if quantity == "full-kl":

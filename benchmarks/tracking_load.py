@@ -95,7 +95,6 @@ def paper_runs(count: int) -> list[tuple[str, dict]]:
     """The first `count` runs of paper.yaml's grid: (run id, the run config the trainer would write)."""
     from sweep.grid import load_study
     from trainer import config as run_config
-
     study = load_study(yaml.safe_load((REPO / "workflow" / "config" / "paper.yaml").read_text()))
     return [(run.run_id, run_config.load(None, run.overrides()).to_dict()) for run in study.runs[:count]]
 

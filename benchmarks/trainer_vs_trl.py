@@ -8,7 +8,7 @@ side runs in its own child process, alternately, several rounds; a side's throug
 compiles where klstudy's hf engine compiles its decoding), its memory the child's peak.
 
 --device cpu (the default): a toy Llama (1.06 M parameters) in float32, peak resident set size.
---device cuda: a random model of Qwen2.5-0.5B's shape (`trainer.models.QWEN_05B_SHAPE`, built here,
+--device cuda: a random model of Qwen2.5-0.5B's shape (`trainer.model.models.QWEN_05B_SHAPE`, built here,
 nothing downloaded), bf16 weights on both sides, peak GPU memory allocated; klstudy's hf engine
 decodes compiled (rollout.hf_decoding auto). A check runs first (--check: only it): TRL imports, and
 klstudy's engine decodes compiled on the device and samples what its trainer computes.
@@ -38,7 +38,7 @@ SETUPS = {"cpu": {"prompts": 8, "group": 8, "length": 32, "steps": 6},
 
 
 def build_model(out: Path, device: str = "cpu") -> Path:
-    from trainer.models import QWEN_05B_SHAPE, ToyModelSpec, build_toy_model
+    from trainer.model.models import QWEN_05B_SHAPE, ToyModelSpec, build_toy_model
 
     toy = ToyModelSpec(hidden_size=128, num_layers=4, intermediate_size=512, seed=0)
     return build_toy_model(out, QWEN_05B_SHAPE if device == "cuda" else toy)
@@ -147,8 +147,8 @@ def check(args: argparse.Namespace, model: Path) -> dict:
     import torch
     import trl  # noqa: F401
 
-    from trainer.logprobs import completion_logprobs, pack
-    from trainer.models import load_model, load_tokenizer
+    from trainer.model.logprobs import completion_logprobs, pack
+    from trainer.model.models import load_model, load_tokenizer
     from trainer.rollout.base import SamplingParams, sample_seeds
     from trainer.rollout.hf import HFEngine
 

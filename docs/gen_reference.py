@@ -90,7 +90,8 @@ def run_config_page() -> str:
     from trainer.config import RunConfig
 
     hints = typing.get_type_hints(RunConfig)
-    lines = ["# Run config keys", "", GENERATED.format(source="`trainer/config.py` and `trainer/objective_config.py`"),
+    lines = ["# Run config keys", "", GENERATED.format(
+        source="`trainer/config.py` and `trainer/objective/objective_config.py`"),
              "A run config (`python -m trainer train --config FILE`) has these sections. Every key can be",
              "overridden on the command line as `section.key=value` (read as YAML), and a study config's `run:`",
              "block holds the same sections. A bad value stops the run before any model loads, with an error",

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trainer import estimators, placements, presets
+from trainer.objective import estimators, placements, presets
 
 STANDARD = ("model", "estimator", "placement", "beta", "seed")
 STANDARD_KEYS = {"estimator": "objective.estimator", "placement": "objective.placement", "beta": "objective.beta",
@@ -106,7 +106,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def inert_keys(config: dict[str, Any]) -> frozenset[str]:
     """The dotted keys of `config` that its run never reads (see trainer's ObjectiveConfig.inert_fields)."""
-    from trainer.objective_config import ObjectiveConfig
+    from trainer.objective.objective_config import ObjectiveConfig
 
     section = config.get("objective") or {}
     try:

@@ -19,9 +19,9 @@ import numpy as np
 from sweep import axes
 from sweep.runs import RunRecord
 from sweep.table import OBJECTIVE_COLUMNS, REFERENCE, Group, extra_axes
-from trainer import estimators, placements
-from trainer.optimum import frontier, optimal_kl, optimal_reward, optimal_value, reference_value
-from trainer.placements import KL_PLACEMENTS
+from trainer.audits.optimum import frontier, optimal_kl, optimal_reward, optimal_value, reference_value
+from trainer.objective import estimators, placements
+from trainer.objective.placements import KL_PLACEMENTS
 
 CURVES = ("reward_mean", "kl_k3", "entropy", "response_length")
 # as the trainer's registries draw them; the reward-against-KL figure: marker = estimator, fill = placement,

@@ -7,7 +7,7 @@ where its run uses the key and the value differs from the study's base (the `run
 trainer's default): the baseline crosses `train.async_level` but not `objective.kl_loss_ratio`, and
 a run at the base value has the id it had before the axis existed.
 
-`objective.preset` as an axis (each RL library's default KL configuration, trainer.presets) sets each
+`objective.preset` as an axis (each RL library's default KL configuration, trainer.objective.presets) sets each
 run's estimator and placement: the grid then takes no estimators or placements of its own, crosses
 the presets with its betas (one beta for every library: their objectives compare at it), and runs
 the no-KL baseline once, without a preset.
@@ -24,8 +24,8 @@ from typing import Any
 
 from sweep import axes as coords
 from sweep.checks import StudyError, known, listed, mapping, merge, number, with_keys
-from trainer import presets
 from trainer.choices import ESTIMATORS, PLACEMENTS
+from trainer.objective import presets
 
 GRID_KEYS = coords.STANDARD
 PRESET = "objective.preset"  # an axis that sets each point's estimator and placement

@@ -79,7 +79,7 @@ class RunRecord:
         error; None when the run measured nothing at its last step."""
         if not self.objective or self.objective[-1]["step"] != len(self.metrics) or self.objective_reference is None:
             return None
-        from trainer.optimum import mean_se, objective_gap
+        from trainer.audits.optimum import mean_se, objective_gap
 
         per_prompt = self.objective[-1]["per_prompt"]
         if beta is None:

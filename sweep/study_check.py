@@ -22,7 +22,7 @@ from typing import Any
 from sweep.checks import StudyError
 from sweep.config_schema import schema_problem
 from sweep.grid import Study, load_study
-from trainer import model_source
+from trainer.model import model_source
 
 WARNING, NOTE = "warning: study config: ", "note: study config: "
 

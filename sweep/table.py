@@ -3,7 +3,7 @@ values over seeds; the paired tests against k1-reward; the rows of a table, with
 columns.
 
 A metric is an evaluated task's pass@1, or the regularized objective measured on held-out prompts
-(trainer.objective_measure): the gap J* - J(pi) at the run's beta, the KL to the reference and the
+(trainer.audits.objective_measure): the gap J* - J(pi) at the run's beta, the KL to the reference and the
 reward. Every (model, beta) with measured runs also gets the reference model's own values (KL 0).
 """
 
@@ -114,7 +114,7 @@ def objective_cells(record: RunRecord) -> dict[str, float]:
 def _reference(records: list[RunRecord], where: dict[str, Any]) -> Group | None:
     """The reference model's own objective at `where` (its model and beta; KL 0), from the reward
     histograms its runs sampled before their first update; None when no run of the model measured them."""
-    from trainer.optimum import objective_gap, reference_value
+    from trainer.audits.optimum import objective_gap, reference_value
 
     found = next((r.objective_reference for r in records
                   if r.coords["model"] == where["model"] and r.objective_reference), None)

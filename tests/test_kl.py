@@ -6,7 +6,7 @@ import pytest
 import torch
 from rounding import assert_equal_to_rounding
 
-from trainer import kl
+from trainer.objective import kl
 
 
 def test_values_on_a_hand_computed_case():

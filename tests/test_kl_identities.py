@@ -11,8 +11,8 @@ import torch
 from rounding import assert_equal_to_rounding
 
 from trainer import config as run_config
-from trainer import estimators, kl, tabular
-from trainer.audit import (
+from trainer.audits import tabular
+from trainer.audits.audit import (
     AuditInstance,
     audit_configs,
     expectation,
@@ -23,7 +23,8 @@ from trainer.audit import (
     target_gradients,
     variance,
 )
-from trainer.objective import ObjectiveConfig, compute_loss
+from trainer.objective import estimators, kl
+from trainer.objective.loss import ObjectiveConfig, compute_loss
 from trainer.rollout.hf import sampling_logprobs
 
 TOL = 1e-6
@@ -134,7 +135,7 @@ def _batch_gradient(inst, rows, group_size, config, behaviour):
     logp = space.token_logp(theta)[rows]
     old = space.token_logp(inst.behaviour_logits)[rows] if behaviour else None
     mask = torch.ones_like(logp)
-    from trainer.objective import compute_loss
+    from trainer.objective.loss import compute_loss
     loss, _ = compute_loss(logp, space.token_logp(inst.ref_logits)[rows], old, inst.rewards[rows], mask,
                            group_size, config)
     (grad,) = torch.autograd.grad(loss, theta)

@@ -10,8 +10,8 @@ import torch
 import transformers
 from tiny_models import ragged_batch, tiny_lm
 
-from trainer.lean_head import lean_head
-from trainer.logprobs import CompletionLogprobs, completion_logprobs
+from trainer.model.lean_head import lean_head
+from trainer.model.logprobs import CompletionLogprobs, completion_logprobs
 
 
 @pytest.mark.parametrize("config_class,extra,scale", [
@@ -52,7 +52,7 @@ class _Tripled(transformers.LlamaForCausalLM):
 def test_a_transform_no_key_announces_is_found_by_the_check_and_takes_the_naive_path(caplog):
     model = _Tripled(tiny_lm("LlamaConfig").config).double()
     assert model.training
-    with caplog.at_level("WARNING", logger="trainer.lean_head"):
+    with caplog.at_level("WARNING", logger="trainer.model.lean_head"):
         assert lean_head(model) is None
     assert "_Tripled's logits are not 1 x its output layer" in caplog.text
     assert model.training  # the check ran in eval mode and gave the mode back

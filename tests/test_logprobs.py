@@ -7,9 +7,9 @@ import torch
 from rounding import assert_equal_to_rounding, logprob_rounding
 from tiny_models import ragged_batch, tiny_lm
 
-from trainer.chunked_logprobs import token_logprobs
-from trainer.logprobs import completion_logprobs, pack
-from trainer.models import load_model
+from trainer.model.chunked_logprobs import token_logprobs
+from trainer.model.logprobs import completion_logprobs, pack
+from trainer.model.models import load_model
 from trainer.rollout.base import Rollouts
 
 

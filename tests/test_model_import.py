@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.model_import import (
+from trainer.model.model_import import (
     MARKER,
     SMOLLM2,
     ModelImportError,
@@ -22,7 +22,7 @@ from trainer.model_import import (
     read_header,
     set_special_tokens,
 )
-from trainer.models import load_model, load_tokenizer
+from trainer.model.models import load_model, load_tokenizer
 
 
 def write_gguf(path, architecture="llama"):

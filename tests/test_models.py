@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.models import ModelNotFoundError, format_prompt, load_model, load_tokenizer, resolve
+from trainer.model.models import ModelNotFoundError, format_prompt, load_model, load_tokenizer, resolve
 
 
 def test_toy_model_loads_with_the_auto_classes(toy_model):
@@ -64,12 +64,12 @@ def test_hub_ids_load_offline_from_the_local_cache(toy_model, tmp_path):
     shutil.copytree(toy_model, snapshot)
     (cache / "models--klstudy--toy" / "refs").mkdir(parents=True)
     (cache / "models--klstudy--toy" / "refs" / "main").write_text("0" * 40)
-    ok = _run_offline("from trainer.models import load_model, load_tokenizer\n"
+    ok = _run_offline("from trainer.model.models import load_model, load_tokenizer\n"
                       "m = load_model('klstudy/toy'); t = load_tokenizer('klstudy/toy')\n"
                       "print(type(m).__name__, len(t))", cache)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.split() == ["LlamaForCausalLM", str(len(load_tokenizer(str(toy_model))))]
-    missing = _run_offline("from trainer.models import resolve\nresolve('klstudy/absent')", cache)
+    missing = _run_offline("from trainer.model.models import resolve\nresolve('klstudy/absent')", cache)
     assert missing.returncode != 0
     assert "neither a local directory nor in the Hugging Face cache, and HF_HUB_OFFLINE is set" in missing.stderr
     assert "download it first (hf download klstudy/absent)" in missing.stderr  # huggingface_hub's CLI is `hf`

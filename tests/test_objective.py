@@ -6,7 +6,7 @@ import pytest
 import torch
 from rounding import assert_same_statistic, rounding
 
-from trainer.objective import ObjectiveConfig, aggregate, combine_stats, compute_loss
+from trainer.objective.loss import ObjectiveConfig, aggregate, combine_stats, compute_loss
 
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
@@ -148,7 +148,7 @@ def test_the_dual_clip_changes_the_policy_gradient_and_the_kl_in_the_reward_off_
     the reward (whose gradient flows through the advantages), never a KL that is only in the loss."""
     from dataclasses import replace
 
-    from trainer.audit import AuditInstance, expected_gradient, rel_error
+    from trainer.audits.audit import AuditInstance, expected_gradient, rel_error
 
     inst = AuditInstance.random(vocab=3, length=2, seed=0)
     for placement in ("none", "reward", "loss", "reward+loss"):
@@ -306,7 +306,7 @@ def test_tis_makes_an_inexact_engine_exactly_unbiased_for_one_token_responses():
     Uncorrected, the policy gradient is E_mu[A grad log pi], biased; untruncated TIS gives exactly
     E_pi[A grad log pi] (RLOO's baseline stays independent of each sample). Longer responses get
     token ratios, which are only a first-order correction (KL_THEORY.md): biased there."""
-    from trainer.audit import AuditInstance, expected_gradient, rel_error
+    from trainer.audits.audit import AuditInstance, expected_gradient, rel_error
 
     base = ObjectiveConfig(placement="none", advantage="rloo")
     untruncated = ObjectiveConfig(placement="none", advantage="rloo", tis_cap=1e12)

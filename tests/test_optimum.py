@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from trainer.optimum import (
+from trainer.audits.optimum import (
     frontier,
     mean_se,
     objective_gap,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from eval.verify import Verifier
-from trainer import pass_rate
-from trainer.models import load_model, load_tokenizer
+from trainer.audits import pass_rate
+from trainer.model.models import load_model, load_tokenizer
 from trainer.rollout.base import SamplingParams, sample_seeds
 from trainer.rollout.hf import HFEngine
 from trainer.tasks import make_task

@@ -6,14 +6,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainer import kl, moving_targets, peers_audit, tabular
-from trainer.audit import AuditInstance, gradient_audit, rel_error
-from trainer.engine_weights import engine_weights
-from trainer.entropy_bonus import token_entropy
-from trainer.full_kl import HeadInputs
-from trainer.kl_coefficient import KLCoefficient
-from trainer.objective import ObjectiveConfig, batch_advantages, compute_loss, policy_loss, reward_kl
-from trainer.reference_refresh import mix_
+from trainer.audits import moving_targets, peers_audit, tabular
+from trainer.audits.audit import AuditInstance, gradient_audit, rel_error
+from trainer.objective import kl
+from trainer.objective.engine_weights import engine_weights
+from trainer.objective.entropy_bonus import token_entropy
+from trainer.objective.full_kl import HeadInputs
+from trainer.objective.kl_coefficient import KLCoefficient
+from trainer.objective.loss import ObjectiveConfig, batch_advantages, compute_loss, policy_loss, reward_kl
+from trainer.objective.reference_refresh import mix_
 
 TOKEN_REWARDS = ("reward", "reward-to-go", "reward-to-go+loss", "reward-token")
 

@@ -9,7 +9,7 @@ from sweep import axes
 from sweep.grid import StudyError, load_study
 from sweep.table import Cell, Group, _mark_significance
 from trainer import config as run_config
-from trainer import presets
+from trainer.objective import presets
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -79,7 +79,7 @@ def test_the_objective_columns_the_reference_row_and_paired_significance(tmp_pat
     import scipy.stats
 
     from sweep.table import paired_p_value
-    from trainer.optimum import optimal_value
+    from trainer.audits.optimum import optimal_value
 
     results = tmp_path / "results"
     for seed, kl in ((0, 0.1), (1, 0.3)):

@@ -11,8 +11,8 @@ import torch
 from rounding import logprob_rounding
 from vllm_required import require_vllm
 
-from trainer.logprobs import completion_logprobs, pack
-from trainer.models import load_model, load_tokenizer
+from trainer.model.logprobs import completion_logprobs, pack
+from trainer.model.models import load_model, load_tokenizer
 from trainer.rollout.base import Rollouts, SamplingParams, sample_seeds
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from trainer import checkpoint
 from trainer import config as run_config
 from trainer.loop import COMPLETE, EXIT_PREEMPTED, TIMING_KEYS, Run, TrainingError
-from trainer.models import load_model
+from trainer.model.models import load_model
 
 
 def weights(out):

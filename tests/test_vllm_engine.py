@@ -113,7 +113,7 @@ def test_an_engine_that_fails_to_start_gives_the_process_its_environment_back(to
     import os
 
     from trainer.distributed import World, full_parameters
-    from trainer.models import load_model, load_tokenizer
+    from trainer.model.models import load_model, load_tokenizer
     from trainer.rollout.vllm import VLLMEngine
 
     model, tokenizer = load_model(str(toy_model)), load_tokenizer(str(toy_model))

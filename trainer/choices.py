@@ -2,10 +2,10 @@
 
 `trainer.config` validates with these alone, so that a study validates every run's config in
 milliseconds before Snakemake builds its DAG. The objective's axes (estimators, placements,
-advantages) are registries (`trainer.registry`): their names here are read from them.
+advantages) are registries (`trainer.objective.registry`): their names here are read from them.
 """
 
-from trainer import advantages, estimators, placements
+from trainer.objective import advantages, estimators, placements
 
 ESTIMATORS = estimators.REGISTRY.names
 PLACEMENTS = placements.REGISTRY.names

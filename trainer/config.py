@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
-from trainer import presets
 from trainer.choices import ENGINES, HF_DECODINGS, LR_SCHEDULES, MIXED_PRECISIONS, TASK_NAMES
-from trainer.objective_config import ObjectiveConfig
+from trainer.objective import presets
+from trainer.objective.objective_config import ObjectiveConfig
 
 
 class ConfigError(ValueError):
@@ -94,7 +94,7 @@ class VerifierConfig:
 
 @dataclass(frozen=True)
 class MeasureConfig:
-    """The regularized objective measured on held-out prompts (trainer.objective_measure)."""
+    """The regularized objective measured on held-out prompts (trainer.audits.objective_measure)."""
 
     prompts: int = 0                # held-out prompts (0: no measurement)
     samples: int = 16               # the policy's completions per prompt at each measurement

@@ -32,7 +32,8 @@ import torch
 import yaml
 
 from eval.verify import Verifier, VerifierUnavailable
-from trainer import checkpoint, entropy_bonus, kl, reference_refresh
+from trainer import checkpoint
+from trainer.audits.objective_measure import ObjectiveProbe
 from trainer.config import ConfigError, RunConfig, from_dict
 from trainer.distributed import (
     World,
@@ -44,15 +45,15 @@ from trainer.distributed import (
     load_optimizer_state,
     shard,
 )
-from trainer.dropout import disable_dropout
-from trainer.full_kl import HeadInputs
-from trainer.kl_coefficient import KLCoefficient
 from trainer.lease import Lease
-from trainer.logprobs import CompletionLogprobs, PackedBatch, pack, states_of_rows, token_matrix
-from trainer.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
-from trainer.objective import Advantages, advantage_stats, batch_advantages, combine_stats, policy_loss, reward_kl
-from trainer.objective_config import ObjectiveConfig
-from trainer.objective_measure import ObjectiveProbe
+from trainer.model.dropout import disable_dropout
+from trainer.model.logprobs import CompletionLogprobs, PackedBatch, pack, states_of_rows, token_matrix
+from trainer.model.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
+from trainer.objective import entropy_bonus, kl, reference_refresh
+from trainer.objective.full_kl import HeadInputs
+from trainer.objective.kl_coefficient import KLCoefficient
+from trainer.objective.loss import Advantages, advantage_stats, batch_advantages, combine_stats, policy_loss, reward_kl
+from trainer.objective.objective_config import ObjectiveConfig
 from trainer.progress import progress_bar
 from trainer.rollout import make_engine
 from trainer.rollout.base import Rollouts, SamplingParams, sample_seeds
@@ -533,7 +534,7 @@ class Run:
 
     @property
     def objective(self) -> ObjectiveConfig:
-        """The objective of the next step: the run's, at the current beta (trainer.kl_coefficient)."""
+        """The objective of the next step: the run's, at the current beta (trainer.objective.kl_coefficient)."""
         return self.coefficient.objective(self.config.objective)
 
     def run_step(self) -> dict[str, Any]:
@@ -588,7 +589,7 @@ class Run:
     def _move_targets(self, batch: PackedBatch, trainer_logp: torch.Tensor, ref_logp: torch.Tensor) -> None:
         """After a step: the adaptive beta's update, from the batch's mean per-token KL estimate under the
         policy that sampled it, as the libraries measure it (k1 stands in for `full`); and the reference's
-        refresh, when due (trainer.reference_refresh)."""
+        refresh, when due (trainer.objective.reference_refresh)."""
         objective = self.config.objective
         if self.coefficient.adaptive:
             name = "k1" if objective.needs_full_kl else objective.estimator

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from eval.verify import Verifier
-from trainer.models import load_model, load_tokenizer, save_pretrained_atomic
+from trainer.model.models import load_model, load_tokenizer, save_pretrained_atomic
 from trainer.progress import progress_bar
 from trainer.rollout.base import SamplingParams, sample_seeds
 from trainer.rollout.hf import HFEngine

@@ -22,7 +22,7 @@ Run here against vLLM 0.32.0 (the CPU build, by the engine contract suite in CI;
 - `collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})`
   (worker -> model runner -> `vllm.model_executor.model_loader.reload.reload_weights`): the
   trainer's parameters, whole, streamed one at a time in the checkpoint's format
-  (`trainer.models.checkpoint_format`) and under every name a checkpoint may hold them by. vLLM
+  (`trainer.model.models.checkpoint_format`) and under every name a checkpoint may hold them by. vLLM
   reloads layer by layer and re-runs each layer's post-processing (the CPU build repacks every
   linear layer's weights for its kernels); a layer it is sent no weight for keeps its old ones,
   which is why a tied output layer is sent under its own name too (`full_parameters`);
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 
 from trainer.config import ConfigError
-from trainer.models import checkpoint_format
+from trainer.model.models import checkpoint_format
 from trainer.rollout.base import FINISH_REASONS, Rollouts, SamplingParams, check_seeds
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ import numpy as np
 
 from eval.prompts import PROMPT_STYLES
 from eval.verify import Verifier
-from trainer.models import encode_prompt, format_prompt
+from trainer.model.models import encode_prompt, format_prompt
 
 
 class TaskDataError(ValueError):

@@ -1,6 +1,6 @@
 """The RL loss: policy gradient plus a KL term, for every estimator x placement x weighting.
 
-KL_THEORY.md states what each configuration's expected gradient is; `trainer.audit` checks these
+KL_THEORY.md states what each configuration's expected gradient is; `trainer.audits.audit` checks these
 statements by exact enumeration through `compute_loss` itself, so the trainer and the proof share
 one implementation.
 
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer import advantages, estimators, kl
 from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, PLACEMENTS
-from trainer.engine_weights import engine_weights
-from trainer.kl_terms import kl_loss_term, kl_loss_weight, kl_reward_span, reward_kl
-from trainer.objective_config import ObjectiveConfig
+from trainer.objective import advantages, estimators, kl
+from trainer.objective.engine_weights import engine_weights
+from trainer.objective.kl_terms import kl_loss_term, kl_loss_weight, kl_reward_span, reward_kl
+from trainer.objective.objective_config import ObjectiveConfig
 
 __all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PG_RATIOS", "PLACEMENTS", "Advantages", "ObjectiveConfig", "advantage_stats",
            "aggregate", "batch_advantages", "combine_stats", "compute_loss", "policy_loss", "reward_kl"]
@@ -94,7 +94,7 @@ def batch_advantages(rewards: Tensor, sequence_kl: Tensor | None, group_size: in
 
     With the KL in per-token rewards (`sequence_kl` [B, T], from `reward_kl`), the rewards go through the
     advantage estimator alone and each token's advantage is that minus beta x the KL its score reaches
-    (trainer.placements), with no baseline: as the PPO-style libraries return per-token KL rewards."""
+    (trainer.objective.placements), with no baseline: as the PPO-style libraries return per-token KL rewards."""
     rewards = rewards.detach()
     if config.kl_in_reward:
         if sequence_kl is None:
@@ -144,9 +144,9 @@ def compute_loss(
               the part's loss and loss statistics are then its share of the whole batch's.
     engine_logp  [B, T] log-probs the rollout engine sampled with, for config.tis_cap (importance
               weights of the policy-gradient term from the engine to the trainer's policy,
-              trainer.engine_weights) and kl_loss_ratio engine; ignored by the others
+              trainer.objective.engine_weights) and kl_loss_ratio engine; ignored by the others
     token_kl  [B, T] the exact KL(pi_theta || pi_ref) over the vocabulary at each position (with
-              grad; trainer.full_kl), for estimator `full`; old_token_kl the same of mu, for its
+              grad; trainer.objective.full_kl), for estimator `full`; old_token_kl the same of mu, for its
               reward when reward_kl is "sampler" and old_logp is given
     entropy   [B, T] the exact entropy of each position's next-token distribution (with grad), for
               config.entropy_coef > 0

@@ -1,7 +1,7 @@
 """The exact next-token entropy with its gradient, for the entropy bonus (objective.entropy_coef).
 
 H_t = -sum_v pi(v|y_<t) log pi(v|y_<t) = log V - KL(pi(.|y_<t) || uniform), so the chunked exact KL
-of trainer.full_kl gives it, values and gradients, against a "model" whose logits are all zero: its
+of trainer.objective.full_kl gives it, values and gradients, against a "model" whose logits are all zero: its
 hidden states and output layer are [N, 1] and [V, 1] zeros, so no second [V, H] layer is ever built
 and, as for the KL, no [B, T, V] tensor exists. Its gradient is the pathwise one, with the prefix
 distribution held fixed, as the libraries differentiate their entropy bonus (docs/peers.md).
@@ -14,8 +14,8 @@ import math
 import torch
 from torch import Tensor
 
-from trainer.chunked_logprobs import compute_dtype
-from trainer.full_kl import HeadInputs, token_kl
+from trainer.model.chunked_logprobs import compute_dtype
+from trainer.objective.full_kl import HeadInputs, token_kl
 
 
 def uniform(states: HeadInputs) -> HeadInputs:

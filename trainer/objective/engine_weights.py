@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer.objective_config import ObjectiveConfig
+from trainer.objective.objective_config import ObjectiveConfig
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Per-token estimates of the reverse KL divergence KL(pi_theta || pi_ref) from sampled tokens.
 
-The estimators and their formulas are registered in `trainer.estimators` (k1 = l, k2 = l**2 / 2,
+The estimators and their formulas are registered in `trainer.objective.estimators` (k1 = l, k2 = l**2 / 2,
 k3 = exp(-l) - 1 + l with l = log pi_theta - log pi_ref); this module evaluates them in a safe dtype.
-`full` needs whole distributions, not sampled tokens: `trainer.full_kl`.
+`full` needs whole distributions, not sampled tokens: `trainer.objective.full_kl`.
 
 Only k3 can overflow (through exp(-l), which is also its gradient's size). Its exponent is clamped
 at a bound close to the largest finite exponent of the narrowest dtype involved (the computation's,
@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-from trainer.estimators import FULL, LOGGED_ESTIMATORS, REGISTRY, SAMPLED_ESTIMATORS, Estimator
+from trainer.objective.estimators import FULL, LOGGED_ESTIMATORS, REGISTRY, SAMPLED_ESTIMATORS, Estimator
 
 __all__ = ["LOGGED_ESTIMATORS", "SAMPLED_ESTIMATORS", "clamped", "compute_dtype", "estimate", "log_ratio",
            "max_exponent"]
@@ -36,7 +36,8 @@ _EXP_MARGIN = 1.0
 def _sampled(estimator: str) -> Estimator:
     spec = REGISTRY[estimator]
     if spec.inputs == FULL:
-        raise ValueError(f"KL estimator {estimator!r} is computed from whole distributions (trainer.full_kl), "
+        raise ValueError(f"KL estimator {estimator!r} is computed from whole distributions "
+                         "(trainer.objective.full_kl), "
                          "not from sampled tokens' log-probs")
     return spec
 

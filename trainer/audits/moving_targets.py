@@ -1,5 +1,6 @@
 """Moving targets on tabular policies: an adaptive beta and a refreshed reference, trained exactly as the
-trainer does (the same `trainer.kl_coefficient` and `trainer.reference_refresh`), and where they end:
+trainer does (the same `trainer.objective.kl_coefficient` and
+`trainer.objective.reference_refresh`), and where they end:
 against the optimum of the beta they end with, and against the original reference's optimum.
 """
 
@@ -9,12 +10,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from trainer import kl, tabular
-from trainer.kl_coefficient import KLCoefficient
-from trainer.objective import ObjectiveConfig, compute_loss
+from trainer.audits import tabular
+from trainer.audits.tabular import one_thread
+from trainer.objective import kl
+from trainer.objective.kl_coefficient import KLCoefficient
+from trainer.objective.loss import ObjectiveConfig, compute_loss
+from trainer.objective.reference_refresh import mix_
 from trainer.progress import progress_bar
-from trainer.reference_refresh import mix_
-from trainer.tabular import one_thread
 
 # --- moving targets --------------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.registry import Registry
+from trainer.objective.registry import Registry
 
 REWARD_SPANS = ("sequence", "to-go", "token")
 

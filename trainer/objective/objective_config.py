@@ -1,6 +1,6 @@
 """What the loss computes: the objective's config, validated without torch.
 
-Kept apart from `trainer.objective` (which needs torch) so that run configs validate fast.
+Kept apart from `trainer.objective.loss` (which needs torch) so that run configs validate fast.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from trainer import advantages, estimators, placements, presets
 from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, REWARD_KL_POLICIES, TIS_LEVELS, TIS_MODES
+from trainer.objective import advantages, estimators, placements, presets
 
 
 def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
@@ -31,10 +31,10 @@ def _optional(key: str, value: object, check, what: str) -> None:
 class ObjectiveConfig:
     """What the loss computes. Invalid values raise ValueError naming the field.
 
-    estimator       k1 | k2 | k3 | full (see trainer.estimators; full is the exact next-token KL
-                    over the whole vocabulary, trainer.full_kl)
+    estimator       k1 | k2 | k3 | full (see trainer.objective.estimators; full is the exact next-token KL
+                    over the whole vocabulary, trainer.objective.full_kl)
     placement       none | reward | loss | reward+loss | reward-to-go | reward-to-go+loss |
-                    reward-token: where beta x the estimate goes (trainer.placements; the last three
+                    reward-token: where beta x the estimate goes (trainer.objective.placements; the last three
                     put it into per-token rewards, returned or not, as the PPO-style libraries do)
     beta            KL coefficient, >= 0 (ignored for placement none)
     reward_kl       whose log-probs the KL in the reward is computed from:
@@ -46,7 +46,7 @@ class ObjectiveConfig:
                              sampler mu's log-ratio the reward term's expected gradient is off by
                              beta x grad KL(pi || mu) (docs/full_kl.md)
                     the same on-policy (one minibatch, one epoch, no async)
-    advantage       rloo | grpo | drgrpo | reinforce | reinforce++ (see trainer.advantages;
+    advantage       rloo | grpo | drgrpo | reinforce | reinforce++ (see trainer.objective.advantages;
                     reinforce++ normalises over the whole minibatch)
     grpo_scale      grpo only: divide by the group std (False gives Dr. GRPO's centring)
     loss_agg        how per-token losses become one number:
@@ -112,7 +112,7 @@ class ObjectiveConfig:
                                [tis_floor, tis_cap], weighting the others' tokens by their own
                                ratios (OpenRLHF's and NeMo-RL's seq-mask-tis); tis_mode mask
     kl_log_ratio_clamp  clamps the log-ratio l to [-c, c] before the estimator (verl and SkyRL 20,
-                    NeMo-RL 20, open-instruct 40); None = only the overflow bound (trainer.kl)
+                    NeMo-RL 20, open-instruct 40); None = only the overflow bound (trainer.objective.kl)
     kl_value_clamp  clamps each token's estimate to [-v, v] (verl, SkyRL, NeMo-RL 10, OpenRLHF 10,
                     slime's low_var_kl 10); None = off. A clamp that binds has no gradient, which
                     changes what the configuration differentiates; stats count the clamped tokens.
@@ -121,15 +121,15 @@ class ObjectiveConfig:
                     (NeMo-RL, slime); k3+ keeps k2's unclamped gradient (verl)
     kl_target, kl_horizon  the adaptive coefficient of Ziegler et al. (verl, OpenRLHF, SkyRL): after
                     each step, beta *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) * responses / kl_horizon,
-                    KL the batch's mean per-token estimate (trainer.kl_coefficient). Both or neither;
+                    KL the batch's mean per-token estimate (trainer.objective.kl_coefficient). Both or neither;
                     beta is the starting value
     ref_refresh_every  replace the reference by the policy every N steps (slime's
                     --ref-update-interval), or mix it in (TRL's sync_ref_model, open-instruct):
     ref_refresh_alpha  pi_ref <- alpha pi_theta + (1 - alpha) pi_ref, parameter by parameter; 1 = a
-                    hard copy (trainer.reference_refresh). The KL becomes a proximal term
+                    hard copy (trainer.objective.reference_refresh). The KL becomes a proximal term
     entropy_coef    an entropy bonus: minus entropy_coef x the aggregated exact next-token entropy
                     (over the vocabulary, differentiated with the prefix distribution held fixed)
-    preset          the library default these values came from (trainer.presets): a run config's
+    preset          the library default these values came from (trainer.objective.presets): a run config's
                     objective.preset fills in that preset's values under the keys given beside it
     """
 

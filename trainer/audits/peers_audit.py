@@ -1,15 +1,15 @@
 """Exact audit of the RL libraries' KL machinery: the settings that reproduce them, and their presets.
 
-Two parts here, all on `trainer.audit`'s random tabular instances and through `compute_loss` itself:
+Two parts here, all on `trainer.audits.audit`'s random tabular instances and through `compute_loss` itself:
 
 - `additions_audit`: what each setting added to reproduce the peers differentiates (clamps, the
   KL-loss weights `engine` and `score`, the entropy bonus, the engine weights of the policy
   gradient), exactly, with the variance of one group's gradient; each case states the verdict
   docs/peers.md derives, and the audit says whether it agrees.
-- `presets_audit`: for each library's default (trainer.presets), what its KL gradient is on-policy
+- `presets_audit`: for each library's default (trainer.objective.presets), what its KL gradient is on-policy
   and off-policy (token ratios, as the libraries weight), and whether it is unbiased: the papers'
   Table 1, executable.
-- `trainer.moving_targets`: tabular policies trained with an adaptive beta or a refreshed reference.
+- `trainer.audits.moving_targets`: tabular policies trained with an adaptive beta or a refreshed reference.
 
 The per-token KL rewards (reward-to-go, reward-token) and k3+ are registrations: the main gradient
 audit has their rows.
@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import Tensor
 
-from trainer import kl, presets, tabular
-from trainer.audit import (
+from trainer.audits import tabular
+from trainer.audits.audit import (
     AuditInstance,
     cosine,
     expectation,
@@ -33,7 +33,8 @@ from trainer.audit import (
     variance,
     verdict,
 )
-from trainer.objective import ObjectiveConfig
+from trainer.objective import kl, presets
+from trainer.objective.loss import ObjectiveConfig
 from trainer.progress import progress_bar
 
 SAMPLINGS = {"on-policy": (False, False), "off-policy": (True, False), "engine mismatch": (False, True)}
@@ -307,7 +308,8 @@ def presets_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: t
 
 def presets_markdown(rows: list[PresetRow], setup: dict[str, object]) -> str:
     lines = [
-        f"Each library's default KL configuration (trainer.presets), audited exactly: vocabulary {setup['vocab']}, "
+        f"Each library's default KL configuration (trainer.objective.presets), audited exactly: "
+        f"vocabulary {setup['vocab']}, "
         f"length {setup['length']}, group size {setup['group_size']}, RLOO, seeds {setup['seeds']}, every preset at "
         f"beta {setup['beta']} (the library's own default in its column). The KL part of the expected gradient, "
         "(E[grad loss] - E[grad loss, no KL]) / beta, on-policy and off-policy (samples of mu, PPO's token ratios, "

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from trainer.objective_config import ObjectiveConfig
+from trainer.objective.objective_config import ObjectiveConfig
 
 ERROR_CLIP = 0.2  # the controller's bound on the proportional error (the libraries' np.clip(..., -0.2, 0.2))
 

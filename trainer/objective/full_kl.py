@@ -2,7 +2,7 @@
 
 At every response position t, KL_t = sum_v pi(v|y_<t) (log pi(v|y_<t) - log pi_ref(v|y_<t)), from
 the policy's and the reference's last hidden states and output layers (the `full` estimator of
-trainer.estimators). As in `trainer.chunked_logprobs`, the logits of at most `chunk` positions exist
+trainer.objective.estimators). As in `trainer.model.chunked_logprobs`, the logits of at most `chunk` positions exist
 at a time, for both models: the forward pass keeps one number per position, and the backward pass
 recomputes each chunk's two log-softmaxes from the saved hidden states, working in place: at most
 three [chunk, V] buffers exist at a time. With z the policy's tempered
@@ -11,7 +11,7 @@ logits, p = softmax(z), q the reference's, and l = log p - log q:
     d KL_t / d z = p * (l - KL_t) / temperature,    d KL_t / d z_ref = (q - p) / temperature_ref,
 
 each model's temperature being the sampling temperature divided by its constant logit scale
-(`HeadInputs.scale`, `trainer.lean_head`).
+(`HeadInputs.scale`, `trainer.model.lean_head`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer.chunked_logprobs import DEFAULT_CHUNK, Autocast, _logits, compute_dtype
+from trainer.model.chunked_logprobs import DEFAULT_CHUNK, Autocast, _logits, compute_dtype
 
 
 @dataclass
@@ -59,7 +59,7 @@ class _ChunkedTokenKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_kl: Tensor):
-        with ctx.autocast.region():  # the logits at the forward pass's precision (trainer.chunked_logprobs)
+        with ctx.autocast.region():  # the logits at the forward pass's precision (trainer.model.chunked_logprobs)
             return _ChunkedTokenKL._backward(ctx, grad_kl)
 
     @staticmethod

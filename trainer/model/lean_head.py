@@ -1,5 +1,5 @@
 """Whether a causal LM's logits are a linear layer over its last hidden states: what the chunked
-log-probs and the chunked KL compute them as (`trainer.chunked_logprobs`, `trainer.full_kl`).
+log-probs and the chunked KL compute them as (`trainer.model.chunked_logprobs`, `trainer.objective.full_kl`).
 
 Many are exactly lm_head(h). Some multiply them by a constant from their config, which the chunked
 paths apply by dividing their temperature by it. Others transform them in ways a linear layer cannot

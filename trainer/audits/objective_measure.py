@@ -2,7 +2,7 @@
 
 Once, before the first update (the policy is then the reference), each of `measure.prompts`
 held-out prompts is sampled `measure.reference_samples` times: the histogram of their rewards
-gives the optimum J* of each prompt (trainer.optimum). At each measured step, `measure.samples`
+gives the optimum J* of each prompt (trainer.audits.optimum). At each measured step, `measure.samples`
 completions per prompt are drawn from the policy, and each prompt gets
 
 - its mean reward, and
@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from eval.verify import Verifier
+from trainer.audits.optimum import Histogram, mean_se, objective_gap, reference_value
 from trainer.config import RunConfig
 from trainer.distributed import World
-from trainer.logprobs import CompletionLogprobs, pack
-from trainer.optimum import Histogram, mean_se, objective_gap, reference_value
+from trainer.model.logprobs import CompletionLogprobs, pack
 from trainer.rollout.base import RolloutEngine, Rollouts, SamplingParams, sample_seeds
 from trainer.tasks import DataOrder, make_task
 

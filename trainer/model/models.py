@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from trainer import model_source
+from trainer.model import model_source
 
 log = logging.getLogger(__name__)
 

@@ -208,7 +208,7 @@ def import_gguf(path: Path, out_dir: Path) -> Path:
         check_architecture(path, header.architecture)
         model, tokenizer = _load_dequantized(path)
         set_special_tokens(tokenizer, header.special_tokens)
-        from trainer.models import save_pretrained_atomic
+        from trainer.model.models import save_pretrained_atomic
 
         save_pretrained_atomic(out_dir, model, tokenizer,
                                extra={MARKER: {**source, "architecture": header.architecture, "dtype": "float32"}})

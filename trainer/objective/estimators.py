@@ -9,14 +9,14 @@ With the token log-ratio l = log pi_theta - log pi_ref of a sampled token (KL_TH
                         estimate: the value is detached, k2's gradient l * grad log pi is added,
                         from the unclamped log-ratio: clamps bound its value, never its gradient)
     full                the exact next-token KL(pi(.|y_<t) || pi_ref(.|y_<t)), summed over the
-                        vocabulary from both models' hidden states (trainer.full_kl): no sampling
+                        vocabulary from both models' hidden states (trainer.objective.full_kl): no sampling
                         noise at the token (Rao-Blackwellised; Amini, Vieira and Cotterell 2025)
 
-A sampled-token estimator's formula maps l (and k3's exponent bound, see trainer.kl) to the
+A sampled-token estimator's formula maps l (and k3's exponent bound, see trainer.objective.kl) to the
 per-token estimate using tensor methods only, so this module needs no torch.
 
 `theory` is KL_THEORY.md's on-policy statement for responses longer than one token, keyed by
-(placement, kl_loss_ratio): the verdict `trainer.audit` must reach. docs/full_kl.md derives full's.
+(placement, kl_loss_ratio): the verdict `trainer.audits.audit` must reach. docs/full_kl.md derives full's.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from trainer.registry import Registry
+from trainer.objective.registry import Registry
 
 SAMPLED = "sampled"  # log-probs of the sampled tokens under both models
 FULL = "full"        # both models' last hidden states: whole next-token distributions
@@ -36,7 +36,7 @@ class Estimator:
     summary: str
     inputs: str = SAMPLED
     formula: Callable[[Any, float], Any] | None = None  # (l, k3's exponent bound) -> estimate, SAMPLED only
-    clamps: bool = False                                 # the formula bounds an exponent (trainer.kl)
+    clamps: bool = False                                 # the formula bounds an exponent (trainer.objective.kl)
     token_dependent: bool = True  # the term at t depends on y_t itself (off-policy weights run through it)
     logged: bool = True           # its value is logged as kl_<name> (not when it repeats another's value)
     # (l, bound) -> the term whose gradient the estimate takes instead of its own (a straight-through

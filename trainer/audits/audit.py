@@ -17,11 +17,12 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import Tensor
 
-from trainer import estimators, placements, tabular
-from trainer.objective import ObjectiveConfig, compute_loss
-from trainer.placements import KL_PLACEMENTS
+from trainer.audits import tabular
+from trainer.audits.tabular import one_thread
+from trainer.objective import estimators, placements
+from trainer.objective.loss import ObjectiveConfig, compute_loss
+from trainer.objective.placements import KL_PLACEMENTS
 from trainer.progress import progress_bar
-from trainer.tabular import one_thread
 
 
 def theory_on_policy(estimator: str, placement: str, ratio: str) -> str:

@@ -1,6 +1,6 @@
 """The KL term of the objective, per token: its estimate (clamped as configured), what the rewards are
-shaped with (summed over a response, to go, or each token's own: trainer.placements), and the KL-loss
-term with its off-policy weight (objective.kl_loss_ratio). `trainer.objective` puts them together.
+shaped with (summed over a response, to go, or each token's own: trainer.objective.placements), and the KL-loss
+term with its off-policy weight (objective.kl_loss_ratio). `trainer.objective.loss` puts them together.
 """
 
 from __future__ import annotations
@@ -8,19 +8,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer import estimators, kl, placements
-from trainer.objective_config import ObjectiveConfig
+from trainer.objective import estimators, kl, placements
+from trainer.objective.objective_config import ObjectiveConfig
 
 
 def token_estimate(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None,
                    value_clamp: bool = True) -> Tensor:
     """The per-token KL term [B, T] of config.estimator: from the sampled tokens' log-probs (clamped as
     configured; the value's clamp left to the caller without `value_clamp`), or the exact
-    full-vocabulary KL (`token_kl`, computed by trainer.full_kl) for an estimator that needs it."""
+    full-vocabulary KL (`token_kl`, computed by trainer.objective.full_kl) for an estimator that needs it."""
     if config.needs_full_kl:
         if token_kl is None:
             raise ValueError(f"estimator {config.estimator}: compute_loss needs token_kl, the exact per-token KL "
-                             "over the vocabulary (trainer.full_kl)")
+                             "over the vocabulary (trainer.objective.full_kl)")
         return token_kl.to(kl.compute_dtype(logp, ref_logp))
     return kl.estimate(config.estimator, logp, ref_logp, config.kl_log_ratio_clamp,
                        config.kl_value_clamp if value_clamp else None)

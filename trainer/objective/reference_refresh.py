@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from trainer.objective_config import ObjectiveConfig
+from trainer.objective.objective_config import ObjectiveConfig
 
 
 def due(config: ObjectiveConfig, steps_done: int) -> bool:

@@ -7,7 +7,7 @@ hold exactly: its baseline is independent of the sample it is subtracted from.
 An estimator's `scope` says which rows it reads: "group" ones read only a response's own group;
 "batch" ones (REINFORCE++'s normalisation) read every row of the minibatch, over all its
 micro-batches and processes, which is why the trainer computes advantages once per minibatch
-(`trainer.objective.batch_advantages`), never per micro-batch. Tensor methods only: no torch import,
+(`trainer.objective.loss.batch_advantages`), never per micro-batch. Tensor methods only: no torch import,
 so that configs validate without it.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from trainer.registry import Registry
+from trainer.objective.registry import Registry
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -1,6 +1,6 @@
 """Where a model comes from, a local directory or a hub id, told apart without torch or the network.
 
-trainer.models loads models through it, and the study checks every model with it before any job
+trainer.model.models loads models through it, and the study checks every model with it before any job
 starts (sweep.preflight): a local directory is checked here; a hub id can only be checked against
 the local Hugging Face cache, since whether the hub has it needs the network.
 """

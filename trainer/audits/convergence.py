@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from trainer import estimators, tabular
-from trainer.objective import ObjectiveConfig, compute_loss
-from trainer.placements import KL_PLACEMENTS
+from trainer.audits import tabular
+from trainer.audits.tabular import one_thread
+from trainer.objective import estimators
+from trainer.objective.loss import ObjectiveConfig, compute_loss
+from trainer.objective.placements import KL_PLACEMENTS
 from trainer.progress import progress_bar
-from trainer.tabular import one_thread
 
 
 def on_policy_configs(beta: float, advantage: str) -> dict[str, ObjectiveConfig]:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.chunked_logprobs import DEFAULT_CHUNK, compute_dtype, token_logprobs
-from trainer.full_kl import HeadInputs, token_kl
-from trainer.lean_head import LeanHead, lean_head
+from trainer.model.chunked_logprobs import DEFAULT_CHUNK, compute_dtype, token_logprobs
+from trainer.model.lean_head import LeanHead, lean_head
+from trainer.objective.full_kl import HeadInputs, token_kl
 from trainer.rollout.base import Rollouts
 
 
@@ -85,8 +85,8 @@ class CompletionLogprobs(torch.nn.Module):
         and, optionally, the entropy of each token's distribution (detached).
 
         With chunk > 0 (and an LM whose logits are a linear layer over its last hidden states, times a
-        constant: `trainer.lean_head`), the logits of at most `chunk` tokens exist at a time
-        (`trainer.chunked_logprobs`), and only for completion tokens; chunk = 0 computes all of them at
+        constant: `trainer.model.lean_head`), the logits of at most `chunk` tokens exist at a time
+        (`trainer.model.chunked_logprobs`), and only for completion tokens; chunk = 0 computes all of them at
         once, the naive way.
         With `whole_vocabulary`, the first result is instead log pi of every vocabulary entry at every
         completion position ([B, T, V]; callers bound B x T x V), for full-distribution quantities."""
@@ -111,7 +111,7 @@ class CompletionLogprobs(torch.nn.Module):
 
     def completion_states(self, batch: PackedBatch) -> HeadInputs:
         """The last hidden states at the completion tokens' positions ([N, H], N = tokens under the mask)
-        and the output layer: what whole next-token distributions are computed from (`trainer.full_kl`)."""
+        and the output layer: what whole next-token distributions are computed from (`trainer.objective.full_kl`)."""
         return self._completion_states(batch, self._inputs(batch), self._head())
 
     def logprobs_of(self, batch: PackedBatch, states: HeadInputs) -> torch.Tensor:
@@ -136,7 +136,7 @@ class CompletionLogprobs(torch.nn.Module):
     def _head(self) -> LeanHead:
         if self.head is None:
             raise ValueError("the full-vocabulary KL needs train.logprob_chunk > 0 and a model whose logits are a "
-                             "linear layer over its last hidden states, times a constant (trainer.lean_head)")
+                             "linear layer over its last hidden states, times a constant (trainer.model.lean_head)")
         return self.head
 
     def _completion_states(self, batch: PackedBatch, inputs: dict, head: LeanHead) -> HeadInputs:

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
-from trainer.registry import Registry
+from trainer.objective.registry import Registry
 
 if TYPE_CHECKING:
-    from trainer.objective_config import ObjectiveConfig
+    from trainer.objective.objective_config import ObjectiveConfig
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,6 @@ def expand(section: Mapping[str, Any]) -> dict[str, Any]:
 
 def objective(name: str, **overrides: Any) -> "ObjectiveConfig":
     """The ObjectiveConfig of preset `name`, with `overrides` (beta, the advantage, ...) on top."""
-    from trainer.objective_config import ObjectiveConfig
+    from trainer.objective.objective_config import ObjectiveConfig
 
     return ObjectiveConfig(**expand({"preset": name, **overrides}))
