@@ -27,7 +27,6 @@ import contextlib
 import importlib
 import importlib.util
 import io
-import os
 import re
 import runpy
 import shlex
@@ -318,13 +317,15 @@ def test_every_reference_to_a_section_names_one():
     rerun", a section the README did not have."""
     cited = [(README.name, README, name) for pair in re.findall(r'(?:see|in) "([^"]+)"|"([^"]+)" (?:below|above)',
                                                                  README.read_text()) for name in pair if name]
-    for root, dirs, files in os.walk(REPO):
-        dirs[:] = [d for d in dirs if d not in (".git", ".venv", "results", ".snakemake", "__pycache__", "site")]
-        for path in (Path(root) / name for name in files):
-            if path.suffix in (".py", ".yaml", ".smk", ".md", ".toml", ".sh", "") and path != Path(__file__):
-                for target, link, name in _CITATION.findall(path.read_text(errors="replace")):
-                    page = (path.parent / link).resolve() if link else REPO / target
-                    cited.append((str(path.relative_to(REPO)), page, name))
+    # the repository's files: tracked or not ignored (not an install's egg-info, results/ or site/)
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    for path in (REPO / name for name in listed):
+        if path.suffix in (".py", ".yaml", ".smk", ".md", ".toml", ".sh", "") and path != Path(__file__) \
+                and path.is_file():
+            for target, link, name in _CITATION.findall(path.read_text(errors="replace")):
+                page = (path.parent / link).resolve() if link else REPO / target
+                cited.append((str(path.relative_to(REPO)), page, name))
     assert len(cited) > 15
     assert {page for _, page, _ in cited} >= {REPO / "docs" / "guides" / "study.md", REPO / "docs" / "peers.md"}
     sections = {page: _sections(page) for page in {page for _, page, _ in cited} if page.is_file()}
