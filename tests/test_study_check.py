@@ -107,7 +107,7 @@ def test_cuda_jobs_without_a_gpu_stop_the_study_and_idle_gpus_are_warned_of(tmp_
 def test_the_dry_run_shows_each_jobs_sbatch_options_and_where_each_run_starts(tmp_path):
     """The dry run showed no partition or account, and a killed study's runs only as missing COMPLETE."""
     runs = tmp_path / "results" / "runs"
-    killed = runs / "toy-sft__k3-loss__b1__s2" / "checkpoints"
+    killed = runs / "toy-sft__k3-loss__b0.1__s2" / "checkpoints"
     (killed / "step_30" / "model").mkdir(parents=True)
     (killed / "step_30" / "model" / "weights").write_text("w")
     (killed / "step_30" / "manifest.json").write_text(json.dumps({"step": 30, "files": {"model/weights": 1}}))
@@ -118,14 +118,14 @@ def test_the_dry_run_shows_each_jobs_sbatch_options_and_where_each_run_starts(tm
                      env={"SNAKEMAKE_SUBMITIT_PARTITION": "gpu", "SNAKEMAKE_SUBMITIT_ACCOUNT": "lab"})
     assert result.returncode == 0, result.stderr[-2000:]
     counts = {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", result.stdout, re.M)}
-    assert planned_jobs(result.stdout) == snakemake_jobs(counts) == {"prepare": 3, "train": 6, "evaluate": 3,
-                                                                     "track": 1, "report": 1}  # bundles of 10 and 20
+    assert planned_jobs(result.stdout) == snakemake_jobs(counts) == {"prepare": 3, "train": 4, "evaluate": 2,
+                                                                     "track": 1, "report": 1}  # bundles of 8 and 16
     plan = result.stdout[:result.stdout.index("  runs:") + 200]
     assert "partition gpu (from SNAKEMAKE_SUBMITIT_PARTITION); account lab (from SNAKEMAKE_SUBMITIT_ACCOUNT)" in plan
-    assert ("    train, toy-sft: 6 jobs\n      resources cpus 1, mem_mb 2000, runtime 30, gpus 0\n"
+    assert ("    train, toy-sft: 4 jobs\n      resources cpus 1, mem_mb 2000, runtime 30, gpus 0\n"
             "      sbatch --cpus-per-task=1 --mem=2000M --time=30 --partition=gpu --account=lab\n") in plan
-    assert ("  runs: 55 start fresh, 1 resume from a checkpoint, 1 finished\n"
-            "    toy-sft__k3-loss__b1__s2 resumes from step 30 of 60\n") in plan
+    assert ("  runs: 28 start fresh, 1 resume from a checkpoint, 1 finished\n"
+            "    toy-sft__k3-loss__b0.1__s2 resumes from step 30 of 150\n") in plan
 
 
 # --- the checks themselves ----------------------------------------------------------------------------
@@ -242,7 +242,7 @@ def test_the_plans_job_counts_per_model_follow_resources_and_bundles():
                       "evaluate, Qwen2.5-7B, Llama-3.1-8B-Instruct, Qwen3-4B-Instruct-2507": 666, "track": 1,
                       "report": 1}
     toy_groups = {what: jobs for what, jobs, _ in job_groups(load_study(toy()))}
-    assert toy_groups == {"prepare": 3, "train, toy-sft": 6, "evaluate, toy-sft": 3, "track": 1, "report": 1}
+    assert toy_groups == {"prepare": 3, "train, toy-sft": 4, "evaluate, toy-sft": 2, "track": 1, "report": 1}
 
 
 def test_run_states(tmp_path):

@@ -98,16 +98,21 @@ def test_grid_deduplicates_the_baseline_and_names_runs_stably():
     config_without_steps = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
     study = load_study(yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text()))
     ids = [r.run_id for r in study.runs]
-    assert len(ids) == 9 * 2 * 3 + 3 and len(set(ids)) == len(ids)  # one baseline per seed, not per beta
+    assert len(ids) == 9 * 1 * 3 + 3 and len(set(ids)) == len(ids)  # one baseline per seed
     assert "toy-sft__k3-reward+loss__b0.1__s1" in ids and "toy-sft__none__s0" in ids
     none = study.run("toy-sft__none__s0")
     assert none.config["objective"] == {"advantage": "rloo", "placement": "none"}
-    k3 = study.run("toy-sft__k3-loss__b1__s1")
-    assert k3.config["objective"] == {"advantage": "rloo", "placement": "loss", "estimator": "k3", "beta": 1.0}
+    k3 = study.run("toy-sft__k3-loss__b0.1__s1")
+    assert k3.config["objective"] == {"advantage": "rloo", "placement": "loss", "estimator": "k3", "beta": 0.1}
+    two_betas = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
+    two_betas["grid"]["betas"] = [0.1, 1.0]
+    ids = [r.run_id for r in load_study(two_betas).runs]
+    assert len(ids) == 9 * 2 * 3 + 3 and len(set(ids)) == len(ids)  # one baseline per seed, not per beta
     assert k3.config["train"]["seed"] == 1 and k3.config["model"] == {"path": "results/models/toy-sft",
                                                                        "name": "toy-sft"}
     assert run_id("m", "k1", "reward", 1.0, 0) == "m__k1-reward__b1__s0"  # 1.0 and 1 name the same run
     del config_without_steps["run"]["train"]["steps"]
+    config_without_steps["run"]["checkpoint"]["every"] = 10
     study = load_study({**config_without_steps, "evaluate": {**config_without_steps["evaluate"], "every": 10}})
     assert study.eval_steps("toy-sft__none__s0") == [10]  # train.steps defaults to 20
     assert study.run("toy-sft__none__s0").config["measure"]["every"] == 10  # evaluated checkpoints are measured
@@ -115,6 +120,7 @@ def test_grid_deduplicates_the_baseline_and_names_runs_stably():
 
 def test_grid_include_and_exclude():
     config = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
+    config["grid"]["betas"] = [0.1, 1.0]
     config["grid"].update(exclude=[{"placement": "reward+loss"}, {"estimator": "k2", "beta": 1.0}],
                           include=[{"estimator": "k2", "placement": "reward", "beta": [1.0, 2], "seed": 7}])
     ids = [r.run_id for r in load_study(config).runs]
@@ -125,6 +131,7 @@ def test_grid_include_and_exclude():
 
 def test_bundles_chunk_the_grid_in_order_and_never_mix_models():
     config = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
+    config["grid"]["betas"] = [0.1, 1.0]
     config["models"]["other"] = {"path": "some/model"}
     study = load_study({**config, "bundle": {"train": 8, "evaluate": 1}})
     ids = [r.run_id for r in study.runs]
