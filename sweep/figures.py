@@ -272,7 +272,7 @@ def _reward_vs_kl(mine: list[RunRecord], histograms: list, title: str, path: Pat
     plt = _pyplot()
     betas = sorted({float(r.coords["beta"]) for r in mine if r.coords["beta"] is not None})
     colors = {b: plt.cm.viridis(i / max(1, len(betas) - 1) * 0.85) for i, b in enumerate(betas)}
-    fig, ax = plt.subplots(figsize=(7.5, 5.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(7.5, 6.2), dpi=110)
     curve = frontier(histograms, np.geomspace(0.02, 20, 80)[::-1])
     ax.plot([k for _, k, _ in curve], [r for _, _, r in curve], color="black", lw=1, label="optimum's frontier")
     ax.plot([0], [statistics.fmean(reference_value(h) for h in histograms)],
@@ -300,16 +300,20 @@ def _reward_vs_kl(mine: list[RunRecord], histograms: list, title: str, path: Pat
     for estimator, marker in ESTIMATOR_MARKERS.items():  # the key to the markers, in black
         if estimator in shown:
             ax.plot([], [], marker=marker, color="black", linestyle="none", label=estimator)
+    placements = {label.partition("-")[2] for _, label in groups}
     for placement, fill in PLACEMENT_FILLS.items():
-        ax.plot([], [], marker="o", fillstyle=fill, color="black", linestyle="none", label=f"KL in the {placement}")
-    ax.plot([], [], marker="X", color="gray", linestyle="none", label="no KL")
+        if placement in placements:
+            ax.plot([], [], marker="o", fillstyle=fill, color="black", linestyle="none", label=f"KL in the {placement}")
+    if any(beta is None for beta, _ in groups):
+        ax.plot([], [], marker="X", color="gray", linestyle="none", label="no KL")
     heights = [r for _, _, r in curve] + [statistics.fmean(m["reward"] for m in ms) for ms in groups.values()]
     ax.set_xlim(left=-0.02 * right, right=right * 1.15)
     ax.set_ylim(min(heights) - 0.05, max(heights) + 0.05)  # the J = J* lines run on out of view
     ax.set_xlabel("KL(pi || pi_ref) of whole completions, held-out prompts")
     ax.set_ylabel("mean reward, held-out prompts")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="center right", ncol=2)
+    # Below the axes: wherever the runs sit, a legend inside would cover some of them.
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, frameon=False)
     return _finish(fig, f"{title}: reward against KL to the reference (final models, mean ± std over seeds)", path)
 
 
