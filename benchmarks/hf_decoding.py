@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for `trainer`
+
 MODES = ("eager", "compiled")
 
 

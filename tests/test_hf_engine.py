@@ -186,6 +186,25 @@ def test_compiled_decoding_samples_the_trainers_distribution_and_compiles_once_p
     assert len(dynamo) == 1
 
 
+def test_compiled_decoding_survives_the_input_grad_hook_of_gradient_checkpointing(toy_model, toy, dynamo, caplog):
+    """transformers 5.17 turns gradient checkpointing on with a forward hook on the input embeddings that
+    calls requires_grad_ on their output; torch.compile(fullgraph=True) cannot trace it, and on an H100 every
+    SmolLM2 run of the GPU study fell back to eager decoding (4 times slower). The engine decodes without
+    the hook and puts it back."""
+    _, tokenizer, prompts = toy
+    model = load_model(str(toy_model))
+    model.enable_input_require_grads()  # what gradient_checkpointing_enable does in transformers 5.17
+    engine = HFEngine(model, tokenizer, decoding="compiled")
+    with caplog.at_level(logging.WARNING):
+        engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4), sample_seeds(0, 0, len(prompts)))
+    assert engine.decoder.compiled and len(dynamo) == 1
+    assert "requires_grad" not in dynamo[0].code  # torch 2.13 traces the hook; 2.11 gave up on it
+    assert not [r for r in caplog.records if "compiled decoding failed" in r.getMessage()]
+    assert model._require_grads_hooks  # back for the update's forward
+    embedded = model.get_input_embeddings()(torch.tensor([prompts[0]]))
+    assert embedded.requires_grad
+
+
 def test_a_compilation_that_fails_falls_back_to_eager_decoding_with_one_warning(toy_model, toy, monkeypatch, caplog):
     model, tokenizer, prompts = toy
 

@@ -13,6 +13,7 @@ the host only whether any row is still going (with stop strings: that step's tok
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -32,6 +33,23 @@ def sampling_device(model) -> torch.device:
         raise ValueError(f"hf engine: the model's parameters are on {where}; it samples on the model's device, so "
                          "the whole model must be on one real device (load it with model.device set, not a device map)")
     return torch.device(devices[0])
+
+
+@contextmanager
+def without_input_grad_hooks(model):
+    """The model without the forward hooks that make its input embeddings require grad, put back after.
+
+    transformers (5.17) turns gradient checkpointing on with such a hook (`enable_input_require_grads`);
+    a rollout needs no gradient, and torch.compile in torch 2.11 cannot trace the hook's requires_grad_
+    call, so with it every compiled decoding fell back to eager on a GPU."""
+    if not getattr(model, "_require_grads_hooks", None):
+        yield
+        return
+    model.disable_input_require_grads()
+    try:
+        yield
+    finally:
+        model.enable_input_require_grads()
 
 
 class HFEngine:
@@ -86,7 +104,7 @@ class HFEngine:
         model.eval()
         # compiled decoding runs under no_grad, as transformers' generate compiles it; eager in inference mode
         try:
-            with torch.no_grad() if self.decoder.compiled else torch.inference_mode():
+            with without_input_grad_hooks(model), torch.no_grad() if self.decoder.compiled else torch.inference_mode():
                 try:
                     tokens, logprobs, alive, stopped = self._decode(input_ids, mask, params, seeds)
                 except CompiledDecodingFailed as error:  # started over, eagerly, with fresh generators
