@@ -45,11 +45,11 @@ def test_a_run_config_takes_a_presets_values_under_the_keys_it_gives():
 def test_presets_as_a_study_axis_set_each_runs_estimator_and_placement():
     runs = {run.run_id: run for run in load_study(study(seeds=[0])).runs}
     assert len(runs) == len(presets.REGISTRY) + 1  # each preset, and the no-KL baseline once
-    verl = runs["toy-sft__k3-loss__b1__preset-verl__s0"]
-    assert verl.config["objective"] == {"advantage": "rloo", "placement": "loss", "estimator": "k3", "beta": 1.0,
+    verl = runs["toy-sft__k3-loss__b0.1__preset-verl__s0"]
+    assert verl.config["objective"] == {"advantage": "rloo", "placement": "loss", "estimator": "k3", "beta": 0.1,
                                         "preset": "verl"}
     assert verl.coords["objective.preset"] == "verl"
-    assert "toy-sft__k1-reward-to-go__b1__preset-openrlhf__s0" in runs
+    assert "toy-sft__k1-reward-to-go__b0.1__preset-openrlhf__s0" in runs
     assert "toy-sft__none__preset-slime-grpo-reward-kl__s0" in runs  # slime's GRPO drops its reward KL
     assert runs["toy-sft__none__s0"].coords["objective.preset"] is None
 
