@@ -188,9 +188,8 @@ def test_compiled_decoding_samples_the_trainers_distribution_and_compiles_once_p
 
 def test_compiled_decoding_survives_the_input_grad_hook_of_gradient_checkpointing(toy_model, toy, dynamo, caplog):
     """transformers 5.17 turns gradient checkpointing on with a forward hook on the input embeddings that
-    calls requires_grad_ on their output; torch.compile(fullgraph=True) cannot trace it, and on an H100 every
-    SmolLM2 run of the GPU study fell back to eager decoding (4 times slower). The engine decodes without
-    the hook and puts it back."""
+    calls requires_grad_ on their output; torch 2.11's compiler cannot trace it, and on an H100 every SmolLM2
+    run of the GPU study fell back to eager decoding. The engine decodes without the hook and puts it back."""
     _, tokenizer, prompts = toy
     model = load_model(str(toy_model))
     model.enable_input_require_grads()  # what gradient_checkpointing_enable does in transformers 5.17
