@@ -55,29 +55,29 @@ def test_axes_multiply_and_a_point_runs_once_whatever_the_values_it_does_not_use
 
 def test_adding_an_axis_or_a_value_renames_no_run():
     """An extra axis shows in an id only away from the base value (the study's `run`, else the trainer's
-    default): the toy study's 57 ids survive an axis through the base value, and a second value of it."""
+    default): the toy study's 30 ids survive an axis through the base value, and a second value of it."""
     before = [run.run_id for run in load_study(study_config()).runs]
     config = study_config()
-    config["grid"]["axes"] = {"train.async_level": [0, 1], "train.lr": [3e-4, "1e-3"]}  # the run's lr is 3e-4
+    config["grid"]["axes"] = {"train.async_level": [0, 1], "train.lr": [1e-3, "3e-4"]}  # the run's lr is 1e-3
     after = [run.run_id for run in load_study(config).runs]
     assert set(before) <= set(after) and len(after) == 4 * len(before)
-    assert "toy-sft__k2-loss__b0.1__async1__lr0.001__s2" not in after  # ids follow the run config's order
-    assert "toy-sft__k2-loss__b0.1__lr0.001__async1__s2" in after
-    assert load_study(config).run("toy-sft__none__lr0.001__s0").config["train"]["lr"] == 1e-3  # "1e-3" read as a float
+    assert "toy-sft__k2-loss__b0.1__async1__lr0.0003__s2" not in after  # ids follow the run config's order
+    assert "toy-sft__k2-loss__b0.1__lr0.0003__async1__s2" in after
+    assert load_study(config).run("toy-sft__none__lr0.0003__s0").config["train"]["lr"] == 3e-4  # "3e-4" read as a float
 
 
 def test_include_and_exclude_take_axis_keys():
     config = study_config(**OFF_POLICY_GRID)
     config["grid"]["exclude"] = [{"train.async_level": 2, "placement": "loss"}]
     config["grid"]["include"] = [{"estimator": "k2", "placement": "loss", "beta": 0.1,
-                                  "objective.kl_loss_ratio": ["differentiable", "none"], "train.lr": 1e-3}]
+                                  "objective.kl_loss_ratio": ["differentiable", "none"], "train.lr": 3e-4}]
     runs = {run.run_id: run for run in load_study(config).runs}
     assert not any("loss" in i and "async2" in i for i in runs)
     assert "toy-sft__k1-reward__b0.1__async2__s0" in runs and "toy-sft__none__async2__s0" in runs
-    assert {"toy-sft__k2-loss__b0.1__ratio-differentiable__lr0.001__s0",
-            "toy-sft__k2-loss__b0.1__lr0.001__s0"} <= set(runs)
-    included = runs["toy-sft__k2-loss__b0.1__lr0.001__s0"]
-    assert included.coords["train.lr"] == 1e-3 and runs["toy-sft__k1-loss__b0.1__s0"].coords["train.lr"] == 3e-4
+    assert {"toy-sft__k2-loss__b0.1__ratio-differentiable__lr0.0003__s0",
+            "toy-sft__k2-loss__b0.1__lr0.0003__s0"} <= set(runs)
+    included = runs["toy-sft__k2-loss__b0.1__lr0.0003__s0"]
+    assert included.coords["train.lr"] == 3e-4 and runs["toy-sft__k1-loss__b0.1__s0"].coords["train.lr"] == 1e-3
 
 
 @pytest.mark.parametrize("axes, message", [
@@ -129,7 +129,7 @@ def test_the_off_policy_studies_grids():
     the loss placements and keeps the 10 ids it had before axes existed."""
     toy = [run.run_id for run in load_study(study_config("toy_offpolicy")).runs]
     assert len(toy) == 36 and len([i for i in toy if i.endswith("__s0")]) == 12
-    assert "toy-sft__k1-loss__b1__ratio-detached__async8__s2" in toy and "toy-sft__none__async8__s1" in toy
+    assert "toy-sft__k1-loss__b0.1__ratio-detached__async8__s2" in toy and "toy-sft__none__async8__s1" in toy
     assert not any("ratio-detached" in i and "async8" not in i for i in toy)
     paper = [run.run_id for run in load_study(study_config("paper_offpolicy")).runs]
     assert len(paper) == 16 and len([i for i in paper if "ratio-detached" not in i]) == 10
