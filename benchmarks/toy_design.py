@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,11 +106,13 @@ CANDIDATES = [
 ]
 
 
-def python() -> str:
-    return sys.executable
+def trainer_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS` in a child of one thread (two candidates share 2 cores), output captured."""
+    return subprocess.run([sys.executable, "-m", "trainer", *args], check=check, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
 
 
-def build_reference(c: Candidate, work: Path, env: dict) -> Path:
+def build_reference(c: Candidate, work: Path) -> Path:
     """The toy Llama SFT-warmed as the candidate says; built once per (model, SFT) and reused."""
     shape = "".join(c.model).replace("-", "")
     task = "_".join(f"{k}{v}".replace("+", "plus").replace("-", "minus") for k, v in sorted(c.task.items()))
@@ -118,27 +121,23 @@ def build_reference(c: Candidate, work: Path, env: dict) -> Path:
         return out
     base = work / "models" / f"random{shape}"
     if not (base / "config.json").exists():
-        subprocess.run([python(), "-m", "trainer", "toy-model", "--out", str(base), *c.model], env=env,
-                       check=True, capture_output=True)
+        trainer_cli("toy-model", "--out", str(base), *c.model)
     options = [f"--option={k}={v}" for k, v in c.task.items()]
-    subprocess.run([python(), "-m", "trainer", "sft", "--model", str(base), "--steps", str(c.sft_steps),
-                    *options, "--out", str(out)], env=env, check=True, capture_output=True)
+    trainer_cli("sft", "--model", str(base), "--steps", str(c.sft_steps), *options, "--out", str(out))
     return out
 
 
 def run(c: Candidate, work: Path) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    reference = build_reference(c, work, env)
+    reference = build_reference(c, work)
     out = work / "runs" / c.name
-    subprocess.run(["rm", "-rf", str(out)], check=True)
+    shutil.rmtree(out, ignore_errors=True)
     start = time.monotonic()
-    done = subprocess.run(
-        [python(), "-m", "trainer", "train", "--out", str(out), f"model.path={reference}",
-         "objective.estimator=k1", "objective.placement=reward", "objective.advantage=rloo",
-         "rollout.max_new_tokens=4", 'rollout.stop=["\\n"]', "train.warmup_steps=10",
-         "train.adam_betas=[0.9, 0.99]", "checkpoint.every=1000", "measure.prompts=100", "measure.samples=16",
-         "measure.reference_samples=64", *c.overrides()],
-        env=env, capture_output=True, text=True)
+    done = trainer_cli(
+        "train", "--out", str(out), f"model.path={reference}",
+        "objective.estimator=k1", "objective.placement=reward", "objective.advantage=rloo",
+        "rollout.max_new_tokens=4", 'rollout.stop=["\\n"]', "train.warmup_steps=10",
+        "train.adam_betas=[0.9, 0.99]", "checkpoint.every=1000", "measure.prompts=100", "measure.samples=16",
+        "measure.reference_samples=64", *c.overrides(), check=False)
     if done.returncode:
         raise RuntimeError(f"{c.name}: the run failed:\n{done.stderr[-2000:]}")
     metrics = read_metrics(out / METRICS)
@@ -183,9 +182,8 @@ def main() -> None:
                      f"choose from {', '.join(c.name for c in CANDIDATES)}")
     work = args.work or Path(tempfile.mkdtemp(prefix="toy-design-"))
     # References first, one at a time: two candidates must not build the same one at once.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for c in chosen:
-        build_reference(c, work, env)
+        build_reference(c, work)
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = []
         for row in pool.map(lambda c: run(c, work), chosen):
