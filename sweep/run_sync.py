@@ -251,7 +251,24 @@ def _set_up(client, run_id: str, record: RunRecord, report: SyncReport) -> None:
     starts = list(range(0, len(params), MAX_PARAMS)) or [0]
     for start in starts:
         tags = [RunTag(TAG_SET_UP, "1")] if start == starts[-1] else []
-        client.log_batch(run_id, params=params[start:start + MAX_PARAMS], tags=tags)
+        _log_params(client, run_id, params[start:start + MAX_PARAMS], tags)
+
+
+def _log_params(client, run_id: str, params: list, tags: list) -> None:
+    """Params (and tags) in one batch. MLflow's store checks which params a run holds, then inserts the
+    rest: two processes setting up one run at once both insert, and the later one fails on the unique
+    key (sqlite, and any server in front of it). When the run then holds these very values, the other
+    process logged them: only the tags remain to log. Different values are a real conflict, raised."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.log_batch(run_id, params=params, tags=tags)
+    except MlflowException:
+        held = client.get_run(run_id).data.params
+        if any(held.get(param.key) != param.value for param in params):
+            raise
+        if tags:
+            client.log_batch(run_id, tags=tags)
 
 
 def _log_curves(client, run_id: str, record: RunRecord, report: SyncReport) -> None:

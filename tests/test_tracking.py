@@ -150,6 +150,63 @@ def test_several_processes_syncing_at_once_lose_nothing(tmp_path):
         assert sorted(steps) == sorted(set(steps)) and len(steps) in (4, 10)
 
 
+def _set_up_at_the_barrier(uri, results, run_ids, barrier, errors):
+    """One of several processes that set up the same child runs, released together for each."""
+    from sweep.run_sync import SyncReport, _set_up
+    from sweep.runs import load_runs
+
+    record = load_runs(Path(results))[0]
+    for run_id in run_ids:
+        barrier.wait()
+        try:
+            _set_up(client(uri), run_id, record, SyncReport())
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            errors.put(f"{type(error).__name__}: {str(error)[:200]}")
+
+
+def test_processes_setting_up_one_run_at_the_same_moment_all_succeed(tmp_path):
+    """MLflow's store reads a run's params, then inserts the missing ones: two processes that set up one
+    run at once both insert, and one failed on the unique key (CI saw it; before the fix, 13 of 20
+    rounds here). Now the later one finds the same values there and logs only the tag."""
+    import multiprocessing
+
+    results = write_study(tmp_path / "results")
+    uri = f"sqlite:///{(results / 'mlflow.db').resolve()}"
+    experiment = client(uri).create_experiment("race")
+    run_ids = [client(uri).create_run(experiment).info.run_id for _ in range(12)]
+    context = multiprocessing.get_context("spawn")
+    barrier, errors = context.Barrier(4), context.Queue()
+    workers = [context.Process(target=_set_up_at_the_barrier, args=(uri, str(results), run_ids, barrier, errors))
+               for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=300)
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert failures == [] and all(worker.exitcode == 0 for worker in workers)
+    for run_id in run_ids:
+        run = client(uri).get_run(run_id)
+        assert run.data.tags["klstudy.set_up"] == "1" and run.data.params["objective.estimator"] == "k1"
+
+
+def test_a_param_that_differs_from_the_one_logged_is_still_an_error(tmp_path):
+    """The race's recovery accepts only the values it meant to log."""
+    from mlflow.entities import Param
+    from mlflow.exceptions import MlflowException
+
+    from sweep.run_sync import _log_params
+
+    uri = f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+    run_id = client(uri).create_run(client(uri).create_experiment("conflict")).info.run_id
+    client(uri).log_param(run_id, "train.seed", "0")
+    _log_params(client(uri), run_id, [Param("train.seed", "0"), Param("train.steps", "4")], [])
+    with pytest.raises(MlflowException, match="Changing param values is not allowed"):
+        _log_params(client(uri), run_id, [Param("train.seed", "1")], [])
+    assert client(uri).get_run(run_id).data.params == {"train.seed": "0", "train.steps": "4"}
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
