@@ -141,7 +141,7 @@ def run(c: Candidate, work: Path) -> dict:
     if done.returncode:
         raise RuntimeError(f"{c.name}: the run failed:\n{done.stderr[-2000:]}")
     metrics = read_metrics(out / METRICS)
-    measured = [json.loads(line) for line in (out / OBJECTIVE).read_text().splitlines()][-1]
+    measured = read_metrics(out / OBJECTIVE)[-1]
     first = sum(m["reward_mean"] for m in metrics[:10]) / 10
     last = sum(m["reward_mean"] for m in metrics[-10:]) / 10
     return {"candidate": c, "reference_reward": measured["reference_reward"], "reward": measured["reward"],

@@ -41,6 +41,11 @@ REDUCED_RUNS = ["toy-sft__k1-reward__b0.1__s0", "toy-sft__k3-reward__b0.1__s0", 
                 "toy-sft__none__s0"]
 
 
+def toy_config() -> dict:
+    """The main job's study config, a fresh copy to change."""
+    return yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
+
+
 def write_config(directory: Path, config: dict) -> Path:
     path = directory / "study.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -95,8 +100,8 @@ def snakemake_jobs(counts: dict[str, int]) -> dict[str, int]:
 
 
 def test_grid_deduplicates_the_baseline_and_names_runs_stably():
-    config_without_steps = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
-    study = load_study(yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text()))
+    config_without_steps = toy_config()
+    study = load_study(toy_config())
     ids = [r.run_id for r in study.runs]
     assert len(ids) == 9 * 1 * 3 + 3 and len(set(ids)) == len(ids)  # one baseline per seed
     assert "toy-sft__k3-reward+loss__b0.1__s1" in ids and "toy-sft__none__s0" in ids
@@ -104,7 +109,7 @@ def test_grid_deduplicates_the_baseline_and_names_runs_stably():
     assert none.config["objective"] == {"advantage": "rloo", "placement": "none"}
     k3 = study.run("toy-sft__k3-loss__b0.1__s1")
     assert k3.config["objective"] == {"advantage": "rloo", "placement": "loss", "estimator": "k3", "beta": 0.1}
-    two_betas = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
+    two_betas = toy_config()
     two_betas["grid"]["betas"] = [0.1, 1.0]
     ids = [r.run_id for r in load_study(two_betas).runs]
     assert len(ids) == 9 * 2 * 3 + 3 and len(set(ids)) == len(ids)  # one baseline per seed, not per beta
@@ -119,7 +124,7 @@ def test_grid_deduplicates_the_baseline_and_names_runs_stably():
 
 
 def test_grid_include_and_exclude():
-    config = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
+    config = toy_config()
     config["grid"]["betas"] = [0.1, 1.0]
     config["grid"].update(exclude=[{"placement": "reward+loss"}, {"estimator": "k2", "beta": 1.0}],
                           include=[{"estimator": "k2", "placement": "reward", "beta": [1.0, 2], "seed": 7}])
@@ -130,7 +135,7 @@ def test_grid_include_and_exclude():
 
 
 def test_bundles_chunk_the_grid_in_order_and_never_mix_models():
-    config = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
+    config = toy_config()
     config["grid"]["betas"] = [0.1, 1.0]
     config["models"]["other"] = {"path": "some/model"}
     study = load_study({**config, "bundle": {"train": 8, "evaluate": 1}})
@@ -159,7 +164,7 @@ def test_bundles_chunk_the_grid_in_order_and_never_mix_models():
     ({"models": {"a__b": {"path": "x"}}}, "models.a__b"),
 ])
 def test_bad_study_configs_name_the_key(change, key):
-    config = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
+    config = toy_config()
     for section, value in change.items():
         config[section] = value if section == "models" else {**config.get(section, {}), **value}
     with pytest.raises(StudyError) as error:
