@@ -3,11 +3,15 @@
 The study config (default workflow/config/toy.yaml; another with --configfile) is checked whole
 before any job starts (sweep.study_check): by sweep.grid, which also validates every run's trainer
 config, then by workflow/config/schema.yaml, then against this machine (model paths, devices against
-GPUs); each error is one line that names the key. A dry run (-n) also prints the plan (sweep.plan):
-each job's resources and sbatch options, and where each run starts. Every rule calls a package CLI,
-so each job is a command a person can run by hand. The run directories are the state: re-running
-the same command finishes only what is missing, and a training job resumes from its newest
-checkpoint.
+GPUs, run directories trained with another config); each error is one line that names the key. A
+dry run (-n) also prints the plan (sweep.plan): each job's resources and sbatch options, and where
+each run starts. Every rule calls a package CLI, so each job is a command a person can run by hand.
+
+The run directories are the state (sweep.jobs): a finished run (COMPLETE) or evaluation
+(metrics.json) is never in a job again, so re-running the same command, after any kill, finishes only
+what is missing, and a study that grows (seeds, betas, any axis value) runs only its new points.
+`--config rerun=failed` or `--config rerun=ID[,ID...]` first moves those points' outputs aside
+(sweep.rerun), so that they are trained and evaluated again from scratch.
 """
 
 import json
@@ -19,7 +23,7 @@ from pathlib import Path
 
 from snakemake.utils import min_version
 
-from sweep import study_lock
+from sweep import jobs, rerun, study_lock
 from sweep.grid import StudyError
 from sweep.plan import plan
 from sweep.study_check import check_study, preflight
@@ -34,18 +38,18 @@ if not workflow.config_settings.configfiles:
     configfile: "workflow/config/toy.yaml"
 
 
+RERUN = config.pop("rerun", None)  # --config rerun=...: not a study key
+# What only the main process does, and only when it is to run jobs (not a dry run, not --unlock ...).
+MAIN = workflow.is_main_process
+RUNS_JOBS = MAIN and not workflow.output_settings.dryrun and not study_lock.NO_LOCK_OPTIONS & set(sys.argv)
+
 try:
     STUDY = check_study(config, Path(workflow.basedir) / "workflow" / "config" / "schema.yaml")
-    NOTES = preflight(STUDY) if workflow.is_main_process else []
 except StudyError as error:
     raise WorkflowError(f"study config: {error}") from None
-for line in NOTES:
-    print(line, file=sys.stderr)
-if workflow.is_main_process and workflow.output_settings.dryrun:
-    print("\n".join(plan(STUDY, sys.argv, os.environ)))
 
 # A lock left by a snakemake killed hard is released here, before Snakemake locks (sweep.study_lock).
-if workflow.is_main_process:
+if MAIN:
     try:
         released = study_lock.check(sys.argv, study_lock.unlock_command(
             workflow.main_snakefile, Path.cwd(), workflow.config_settings.configfiles))
@@ -54,9 +58,31 @@ if workflow.is_main_process:
     if released:
         print(released, file=sys.stderr)
 
+try:
+    chosen = []
+    if MAIN and RERUN is not None:
+        chosen = rerun.discard(STUDY, RERUN, dry_run=not RUNS_JOBS)
+        said = "discarded, to run again from scratch" if RUNS_JOBS else "would be discarded and run again"
+        print(f"klstudy rerun: {len(chosen)} point(s) {said}: {', '.join(chosen) or 'none'}", file=sys.stderr)
+    NOTES = preflight(STUDY, rerun=set(chosen)) if MAIN else []
+except StudyError as error:
+    raise WorkflowError(f"study config: {error}") from None
+for line in NOTES:
+    print(line, file=sys.stderr)
+
+# What is left to do, in jobs: planned (and recorded) by the main process, read back by a job's own.
+WORK = jobs.plan(STUDY, record=RUNS_JOBS) if MAIN else jobs.recorded(STUDY)
+if MAIN and workflow.output_settings.dryrun:
+    print("\n".join(plan(STUDY, WORK, sys.argv, os.environ)))
+
 
 onstart:
     study_lock.claim(sys.argv)
+    # A job of several runs or evaluations that fails must not lose the ones it finished: Snakemake would
+    # delete a failed job's outputs ("they might be corrupted"), and the runs whose COMPLETE it deleted
+    # would be trained again. Each output here is written last and atomically, so one that exists is
+    # whole: keep them (--keep-incomplete, which Snakemake also hands to every job it submits from here on).
+    workflow.execution_settings.keep_incomplete = True
     open_live_tracking()  # workflow/rules/train.smk
 
 
@@ -90,23 +116,24 @@ def _per_model(rule, key):
     return any(key in model.resources.get(rule, {}) for model in STUDY.models.values())
 
 
-def _resource(rule, key, per_model):
+def _resource(rule, key, per_model, run_of=lambda wildcards: wildcards.run):
     if not (per_model and _per_model(rule, key)):
         return STUDY.resources[rule].get(key)  # a plain value: cheaper for Snakemake than a function
-    return lambda wildcards: STUDY.resources_for(rule, STUDY.run(wildcards.run).model).get(key)
+    return lambda wildcards: STUDY.resources_for(rule, STUDY.run(run_of(wildcards)).model).get(key)
 
 
-def rule_resources(rule, per_model=False):
-    """A rule's resources from the study config (`gpus` is Snakemake's `gpu`; `cpus` are its threads)."""
+def rule_resources(rule, per_model=False, run_of=lambda wildcards: wildcards.run):
+    """A rule's resources from the study config (`gpus` is Snakemake's `gpu`; `cpus` are its threads);
+    `run_of` names a job's run from its wildcards, where a model may set its own."""
     keys = set(STUDY.resources[rule])
     if per_model:
         keys |= {key for model in STUDY.models.values() for key in model.resources.get(rule, {})}
-    return {("gpu" if key == "gpus" else key): _resource(rule, key, per_model) for key in sorted(keys)
+    return {("gpu" if key == "gpus" else key): _resource(rule, key, per_model, run_of) for key in sorted(keys)
             if key != "cpus"}
 
 
-def rule_threads(rule, per_model=False):
-    return _resource(rule, "cpus", per_model)
+def rule_threads(rule, per_model=False, run_of=lambda wildcards: wildcards.run):
+    return _resource(rule, "cpus", per_model, run_of)
 
 
 def model_resources(rule, model):

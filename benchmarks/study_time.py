@@ -27,8 +27,8 @@ STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
 
 
 def family(rule: str) -> str:
-    """A bundled job's rule (train_3, evaluate_toy_0) counts as its family (train, evaluate)."""
-    match = re.match(r"^(train|evaluate)_.*\d$", rule)
+    """A bundled job's rule (train_<key>, evaluate_<key>: sweep.jobs) counts as its family (train, evaluate)."""
+    match = re.match(r"^(train|evaluate)_[0-9a-f]{10}$", rule)
     return match.group(1) if match else rule
 
 

@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--model, --out and --seed: one --out per --model, and one --seed or one per --model "
                   "(got %d, %d and %d)", len(args.model), len(args.out), len(seeds))
         return 2
+    failed = []
     for model, out, seed in zip(args.model, args.out, seeds * len(args.model) if len(seeds) == 1 else seeds,
                                 strict=True):
         try:
@@ -68,14 +69,21 @@ def main(argv: list[str] | None = None) -> int:
                 chat_template=args.chat_template, limit=args.limit, batch_size=args.batch_size, dtype=args.dtype,
                 device=args.device, seed=seed, data=_data(args.data))
             metrics = evaluate(settings, out)
-        except ValueError as error:  # bad options, model or data: one line, no traceback
-            log.error("%s", error)
-            return 2
+        except Exception as error:  # noqa: BLE001 - one model's failure stops no other evaluation of the job
+            if isinstance(error, ValueError):  # bad options, model or data: one line, no traceback
+                log.error("%s: %s", model, error)
+            else:
+                log.exception("%s: the evaluation failed", model)
+            failed.append(str(out))
+            continue
         for task, row in metrics["tasks"].items():
             extra = f"  pass@{row['pass@k']['k']} {row['pass@k']['value']:.3f}" if "pass@k" in row else ""
             stderr = f" ± {row['stderr']:.3f}" if row["stderr"] is not None else ""
             print(f"{task:24s} pass@1 {row['value']:.3f}{stderr}  (n={row['n']}){extra}")
         print(json.dumps({"out": str(out)}))
+    if failed:
+        log.error("%d of %d evaluations failed: %s", len(failed), len(args.model), ", ".join(failed))
+        return 2
     return 0
 
 

@@ -3,9 +3,9 @@
 The Snakemake process on the login node can die (a dropped SSH session, a reboot, the OOM killer)
 while its SLURM jobs go on. Run again, the same command would submit every unfinished job a second
 time, and two copies of a training job would write one run directory. Instead, every submission
-is recorded in its submitit folder (`klstudy-jobs.jsonl`: the SLURM job id and the job's output
-files), and a new run reads the records of the folders beside its own. A job it is about to
-submit whose outputs an earlier run's job is still producing (the job is in `squeue`) is followed
+is recorded in its submitit folder (`klstudy-jobs.jsonl`: the SLURM job id and the job's rule and
+wildcards), and a new run reads the records of the folders beside its own. A job it is about to
+submit that an earlier run submitted and SLURM still has (the job is in `squeue`) is followed
 as if it had submitted it: its state, its log, Ctrl-C's scancel. The new run records it too, so
 that a third run finds it again.
 """
@@ -16,22 +16,25 @@ import json
 import logging
 import subprocess
 from pathlib import Path
-from typing import Iterable
+
+from snakemake_interface_executor_plugins.utils import encode_target_jobs_cli_args
 
 RECORD = "klstudy-jobs.jsonl"
 log = logging.getLogger(__name__)
 
 
-def key(outputs: Iterable[str]) -> str:
-    """A job's identity across Snakemake runs: its output files."""
-    return json.dumps(sorted(str(path) for path in outputs))
+def key(job) -> str:
+    """A job's identity across Snakemake runs: its rule and wildcards, as Snakemake names the job to the
+    process that runs it (`--target-jobs`). Not its outputs: a job of several grid points covers the
+    ones still pending, fewer once some have finished, under the same rule."""
+    return json.dumps(sorted(encode_target_jobs_cli_args(job.get_target_spec())))
 
 
-def record(folder: Path, entries: list[tuple[str, Path, Iterable[str]]]) -> None:
-    """Append (SLURM job id, its submitit folder, its outputs) for jobs this run follows."""
+def record(folder: Path, entries: list[tuple[str, Path, str]]) -> None:
+    """Append (SLURM job id, its submitit folder, its key) for jobs this run follows."""
     with (folder / RECORD).open("a") as handle:
-        for job_id, job_folder, outputs in entries:
-            handle.write(json.dumps({"job_id": job_id, "folder": str(job_folder), "outputs": key(outputs)}) + "\n")
+        for job_id, job_folder, identity in entries:
+            handle.write(json.dumps({"job_id": job_id, "folder": str(job_folder), "job": identity}) + "\n")
 
 
 def _queued() -> set[str] | None:
@@ -41,14 +44,14 @@ def _queued() -> set[str] | None:
 
 
 def still_running(parent: Path) -> dict[str, tuple[Path, str]]:
-    """Output key -> (submitit folder, SLURM job id) of recorded jobs under `parent`'s folders that
-    SLURM still has."""
+    """Job key -> (submitit folder, SLURM job id) of recorded jobs under `parent`'s folders that SLURM
+    still has."""
     recorded: dict[str, tuple[Path, str]] = {}
     for path in sorted(Path(parent).glob(f"*/{RECORD}"), key=lambda p: p.stat().st_mtime):
         for line in path.read_text().splitlines():
             try:
                 entry = json.loads(line)
-                recorded[entry["outputs"]] = (Path(entry["folder"]), str(entry["job_id"]))
+                recorded[entry["job"]] = (Path(entry["folder"]), str(entry["job_id"]))
             except (ValueError, KeyError):
                 continue  # a line torn by a hard kill
     if not recorded:

@@ -71,15 +71,16 @@ class Executor(RemoteExecutor):
             self._submit([job], self._parameters(job))
 
     def _adopted(self, job: JobExecutorInterface) -> bool:
-        """Follow the job an earlier run of this study submitted for the same outputs, if SLURM still runs it."""
-        found = self.adoptable.pop(adopt.key(job.output), None)
+        """Follow the job an earlier run of this study submitted for the same rule and wildcards, if SLURM still
+        runs it."""
+        found = self.adoptable.pop(adopt.key(job), None)
         if found is None:
             return False
         folder, job_id = found
         handle = submitit.SlurmJob(folder=folder, job_id=job_id)
         self.logger.info(f"SLURM job {job_id} ({job.name}) of an earlier run of this study still runs: "
                          "followed, not submitted again")
-        adopt.record(self.folder, [(job_id, folder, job.output)])
+        adopt.record(self.folder, [(job_id, folder, adopt.key(job))])
         self.report_job_submission(SubmittedJobInfo(job, external_jobid=job_id, aux={"submitit": handle}))
         return True
 
@@ -102,7 +103,7 @@ class Executor(RemoteExecutor):
         except Exception as error:  # sbatch refused: bad partition, account, resources...
             raise WorkflowError(f"submitit could not submit {len(jobs)} {jobs[0].name} job(s): {error}") from None
         pairs = list(zip(jobs, submitted, strict=True))
-        adopt.record(self.folder, [(handle.job_id, self.folder, job.output) for job, handle in pairs])
+        adopt.record(self.folder, [(handle.job_id, self.folder, adopt.key(job)) for job, handle in pairs])
         for job, handle in pairs:
             self.report_job_submission(SubmittedJobInfo(job, external_jobid=handle.job_id, aux={"submitit": handle}))
 

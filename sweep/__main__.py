@@ -1,4 +1,4 @@
-"""Command line of the study level: `python -m sweep track|report ...`."""
+"""Command line of the study level: `python -m sweep track|report|status ...`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--collapse-fraction", type=float, default=0.5,
                    help="a run whose smoothed reward or pass rate ends below this fraction of its peak is "
                         "flagged unstable (default 0.5)")
+    s = sub.add_parser("status", help="every grid point: done, failed, running or pending",
+                       description="Reads the study's run directories (nothing else) and prints each grid point's "
+                       "state: done (with its evaluations), failed (the reason, the step, its log), running (the "
+                       "lease holder, its SLURM job, the last step) or pending, with the counts.")
+    s.add_argument("--configfile", type=Path, nargs="+", default=[Path("workflow/config/toy.yaml")],
+                   help="the study config, and override files merged over it in order, as given to snakemake "
+                        "(default workflow/config/toy.yaml)")
+    s.add_argument("--state", choices=("done", "failed", "running", "pending"), action="append", default=[],
+                   help="list only the points in this state (repeatable; the counts cover every point)")
+    s.add_argument("--json", action="store_true", help="print the points as JSON instead")
     args = parser.parse_args(argv)
     ended = threading.Event()
     if args.command == "track" and args.follow:  # at once: the job may signal before MLflow is imported
@@ -64,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     synced = sync(args.results, args.study, args.uri).__dict__
             print(json.dumps(synced))
+        elif args.command == "status":
+            from sweep import status
+
+            study = _study(args.configfile)
+            points = status.study_status(study)
+            print(json.dumps(status.records(points), indent=1) if args.json
+                  else "\n".join(status.report(study, points, tuple(args.state))))
         else:
             from sweep.report import report
 
@@ -74,6 +91,21 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", error)
         return 2
     return 0
+
+
+def _study(configfiles: list[Path]):
+    """The study that these config files make, merged in order as Snakemake merges them."""
+    import yaml
+
+    from sweep.checks import StudyError, merge
+    from sweep.grid import load_study
+
+    config: dict = {}
+    for path in configfiles:
+        if not path.is_file():
+            raise StudyError(f"--configfile {path}: no such file (the study config you give snakemake)")
+        config = merge(config, yaml.safe_load(path.read_text()) or {})
+    return load_study(config)
 
 
 if __name__ == "__main__":

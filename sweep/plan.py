@@ -1,11 +1,12 @@
 """What a study will do, said before it does it: the Snakefile prints this on a dry run (`snakemake -n`).
 
-Per group of jobs (prepare; train and evaluate per model, as models may set their own resources;
-track; report): how many jobs, the resources each gets from the study config, and the sbatch
-options the submitit executor (profiles/slurm) gives them, with the partition, account and QOS that
-come from its settings (`--submitit-partition ...` on the command line, else the environment's
-SNAKEMAKE_SUBMITIT_PARTITION ...; a rule's `slurm_partition` resource wins over both). Then each
-run's state: it starts fresh, resumes from step N (the newest checkpoint that passes the trainer's
+Per group of jobs (prepare; train and evaluate per model, as models may set their own resources, for
+the work left: a finished run or evaluation is in no job; track; report): how many jobs, the
+resources each gets from the study config, and the sbatch options the submitit executor
+(profiles/slurm) gives them, with the partition, account and QOS that come from its settings
+(`--submitit-partition ...` on the command line, else the environment's SNAKEMAKE_SUBMITIT_PARTITION
+...; a rule's `slurm_partition` resource wins over both). Then each run's state: it starts fresh,
+resumes from step N (the newest checkpoint that passes the trainer's
 own check), or is finished.
 """
 
@@ -16,6 +17,7 @@ from typing import Any, Mapping
 
 from snakemake_executor_plugin_submitit.resources import slurm_parameters
 from sweep.grid import Study
+from sweep.jobs import Work
 from trainer.config import TrainConfig
 from trainer.run_files import COMPLETE
 
@@ -46,24 +48,26 @@ def sbatch_options(resources: Mapping[str, Any], defaults: Mapping[str, str]) ->
     return " ".join(f"--{key.replace('_', '-')}={params[key]}" for key in ordered)
 
 
-def job_groups(study: Study) -> list[tuple[str, int, dict[str, Any]]]:
-    """(what, how many jobs, the resources of each), as the rules in workflow/rules make them; models
-    whose train (or evaluate) jobs get the same resources share a group."""
+def job_groups(study: Study, work: Work) -> list[tuple[str, int, dict[str, Any]]]:
+    """(what, how many jobs, the resources of each), as the rules in workflow/rules make them: train and
+    evaluate jobs for the pending work only (sweep.jobs), per model (models whose jobs get the same
+    resources share a group)."""
     data = [name for name in study.data if name in study.evaluate["data"].values()]
     groups = [("prepare", len(study.models) + len(data) + 1, study.resources_for("prepare"))]
+    model = {run.run_id: run.model for run in study.runs}
+    evaluated = {target.key: target.run for target in work.evaluations}
+    jobs_of = {"train": [bundle.pending[0] for bundle in work.train_bundles] if study.bundle["train"] > 1
+               else work.runs,
+               "evaluate": [evaluated[bundle.pending[0]] for bundle in work.evaluate_bundles]
+               if study.bundle["evaluate"] > 1 else list(evaluated.values())}
     for rule in ("train", "evaluate"):
         alike: dict[str, tuple[list[str], int, dict[str, Any]]] = {}
-        for model in study.models:
-            runs = [run.run_id for run in study.runs if run.model == model]
-            if rule == "train":
-                jobs = len(study.bundles("train", runs))
-            else:
-                each = [(run, step) for run in runs for step in [*study.eval_steps(run), None]]
-                jobs = len(study.evaluate["suites"]) * len(study.bundles("evaluate", each, model_of=lambda e: e[0]))
-            resources = study.resources_for(rule, model)
+        for name in study.models:
+            jobs = sum(model[run] == name for run in jobs_of[rule])
+            resources = study.resources_for(rule, name)
             same = repr(sorted(resources.items()))
             names, count, _ = alike.get(same, ([], 0, resources))
-            alike[same] = ([*names, model], count + jobs, resources)
+            alike[same] = ([*names, name], count + jobs, resources)
         groups += [(f"{rule}, {', '.join(names)}", count, resources) for names, count, resources in alike.values()
                    if count]
     return groups + [(rule, 1, study.resources_for(rule)) for rule in ("track", "report")]
@@ -85,7 +89,7 @@ def run_state(run_dir: Path) -> tuple[str, int | None]:
     return "fresh", None
 
 
-def plan(study: Study, argv: list[str], environ: Mapping[str, str]) -> list[str]:
+def plan(study: Study, work: Work, argv: list[str], environ: Mapping[str, str]) -> list[str]:
     """The plan's lines."""
     settings = slurm_defaults(argv, environ)
     defaults = {name: value for name, (value, _) in settings.items()}
@@ -94,9 +98,9 @@ def plan(study: Study, argv: list[str], environ: Mapping[str, str]) -> list[str]
     lines = [f"klstudy plan: study {study.name}, {len(study.runs)} runs, results in {study.results}/",
              "  SLURM (profiles/slurm): " + "; ".join(
                  [*said, *([f"no {', '.join(unset)}: the cluster's defaults"] if unset else [])]),
-             "  the study's jobs and what each gets (cpus are Snakemake's threads; on SLURM, the sbatch options;"
-             " Snakemake's list says which jobs still run):"]
-    for what, jobs, resources in job_groups(study):
+             "  the jobs of the work left (train and evaluate: the pending runs and evaluations) and what each gets"
+             " (cpus are Snakemake's threads; on SLURM, the sbatch options):"]
+    for what, jobs, resources in job_groups(study, work):
         shown = ", ".join(f"{key} {value}" for key, value in resources.items())
         lines += [f"    {what}: {jobs} job{'s' * (jobs != 1)}", f"      resources {shown}",
                   f"      sbatch {sbatch_options(resources, defaults)}"]

@@ -109,17 +109,34 @@ def _params(record: RunRecord):
     return [Param(k, str(v)[:MAX_PARAM]) for k, v in sorted(flatten(record.config).items())]
 
 
-def _child(store: Store, record: RunRecord, directory: Path, verify: bool, report: SyncReport):
-    """(claim, the run if read from the server, whether this call created it)."""
+def study_children(client, experiment_id: str) -> dict[str, Any]:
+    """run id -> every active grid-point run of the study's experiment, read in pages of 1,000: what a
+    whole-study sync checks its records against, in a few requests rather than one per run."""
+    found, token = {}, None
+    while True:
+        page = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_ROLE}` = 'grid-point'",
+                                  max_results=1000, page_token=token)
+        found.update({run.info.run_id: run for run in page})
+        token = page.token
+        if not token:
+            return found
+
+
+def _child(store: Store, record: RunRecord, directory: Path, verify: bool, report: SyncReport,
+           known: dict[str, Any] | None = None):
+    """(claim, the run if read from the server, whether this call created it). `known`: the study's child
+    runs as a search just read them; one missing there (created since) is asked for on its own."""
     client = store.client
     claim = sync_records.latest_claim(directory, "child")
     generation, stale = 0, set()
-    if claim is not None:
+    if claim is None:  # a new run directory; if it replaced one (a point rerun from scratch), not its child
+        stale = _delete_retired(client, directory)
+    else:
         generation, held = claim
         if held.get("experiment_id") == store.experiment_id:
             if not verify:
                 return held, None, False
-            run = active_run(client, held["run_id"])
+            run = (known or {}).get(held["run_id"]) or active_run(client, held["run_id"])
             if run is not None:
                 return held, run, False
         generation, stale = generation + 1, {held["run_id"]}
@@ -137,6 +154,22 @@ def _child(store: Store, record: RunRecord, directory: Path, verify: bool, repor
                               "experiment_id": store.experiment_id})
     report.runs_created += created
     return held, None, created
+
+
+def _delete_retired(client, directory: Path) -> set[str]:
+    """The child runs of a discarded earlier run directory of this grid point (sweep.rerun), deleted
+    (MLflow keeps them restorable) so that the study shows one row per point."""
+    from mlflow.exceptions import MlflowException
+
+    retired = sync_records.retired(directory)
+    for run_id in retired:
+        if active_run(client, run_id) is not None:
+            try:
+                client.delete_run(run_id)
+            except MlflowException as error:  # another sync deleted it first
+                if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+    return retired
 
 
 def _read_back(run, record: RunRecord) -> dict[str, Any]:
@@ -281,17 +314,18 @@ def _log_curves(client, run_id: str, record: RunRecord, report: SyncReport) -> N
 
 
 def sync_run(store: Store, record: RunRecord, report: SyncReport, verify: bool, whole: bool,
-             asynchronous: bool = False) -> Callable[[], None]:
+             asynchronous: bool = False, known: dict[str, Any] | None = None) -> Callable[[], None]:
     """Log what is new in `record`'s directory into its child run. `verify`: check the record against
-    the server with one request; `whole`: a sync of the whole study (the track job), which knows the
-    runs' final coordinates (tags that differ are logged again) and draws their curves (curves.png; a
-    follower only streams metrics); `asynchronous`: metrics may go with MLflow's asynchronous logging.
+    the server (one request, none where `known`, the study's child runs read at once by study_children,
+    has the run); `whole`: a sync of the whole study (the track job), which knows the runs' final
+    coordinates (tags that differ are logged again) and draws their curves (curves.png; a follower only
+    streams metrics); `asynchronous`: metrics may go with MLflow's asynchronous logging.
     Returns what finishes the run's sync: waiting for metrics sent asynchronously, then writing the state."""
     from mlflow.entities import RunTag
 
     client = store.client
     directory = sync_records.records_dir(record.path, store.key)
-    claim, run, created = _child(store, record, directory, verify, report)
+    claim, run, created = _child(store, record, directory, verify, report, known)
     run_id, t0 = claim["run_id"], int(claim["start_time"])
     report.child_run_ids[record.run_id] = run_id
     state = sync_records.read_state(directory)

@@ -100,7 +100,7 @@ def _suites(directory: Path) -> dict[str, dict[str, Any]]:
             for suite in sorted(directory.iterdir()) if (suite / "metrics.json").is_file()}
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
     """A run's config.yaml, with libyaml's parser where PyYAML has it (100 times faster: a live follower
     reads its runs' configs every round)."""
     return yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
@@ -113,7 +113,7 @@ def _run_dirs(results: Path) -> list[Path]:
 
 def study_axes(results: Path) -> tuple[str, ...]:
     """The extra axes of the runs under `results` (see load_runs), from their configs alone."""
-    return tuple(axes.extra_axes([_read_config(path / CONFIG) for path in _run_dirs(results)
+    return tuple(axes.extra_axes([read_config(path / CONFIG) for path in _run_dirs(results)
                                   if (path / CONFIG).is_file()]))
 
 
@@ -126,7 +126,7 @@ def load_runs(results: Path, only: list[Path] | None = None) -> list[RunRecord]:
         config_file = path / CONFIG
         if not config_file.is_file():
             continue
-        record = RunRecord(path.name, path, _read_config(config_file),
+        record = RunRecord(path.name, path, read_config(config_file),
                            read_metrics(path / METRICS), objective=read_metrics(path / OBJECTIVE))
         if (path / OBJECTIVE_REFERENCE).is_file():
             record.objective_reference = json.loads((path / OBJECTIVE_REFERENCE).read_text())

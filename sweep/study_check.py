@@ -9,6 +9,8 @@ warnings and notes come back as lines to print.
 - A model's local directory must exist and hold a config.json (else its fetch_model job would fail,
   on SLURM after queueing). A hub id cannot be checked offline: a note says so, unless the Hugging
   Face cache has it; with HF_HUB_OFFLINE set, an id missing from the cache is an error.
+- A run directory already there holds a run of its grid point's config (else the study says which
+  keys changed, and how to retrain it).
 - A job's device and its GPUs agree: cuda with no GPU fails on a cluster (an error: asking for
   the GPU costs nothing on this machine, where Snakemake does not count GPUs); GPUs on cpu jobs, or
   more than the one an evaluation uses, sit idle (a warning).
@@ -22,7 +24,10 @@ from typing import Any
 from sweep.checks import StudyError
 from sweep.config_schema import schema_problem
 from sweep.grid import Study, load_study
+from sweep.runs import read_config
+from trainer.config import as_saved, differences, from_dict
 from trainer.model import model_source
+from trainer.run_files import CONFIG
 
 WARNING, NOTE = "warning: study config: ", "note: study config: "
 
@@ -36,10 +41,31 @@ def check_study(config: dict[str, Any], schema_file: Path) -> Study:
     return study
 
 
-def preflight(study: Study) -> list[str]:
-    """The checks that need this machine (paths, the Hugging Face cache) or a cluster's view (devices
-    against GPUs): StudyError for what would fail, warning and note lines for the rest."""
+def preflight(study: Study, rerun: set[str] = frozenset()) -> list[str]:
+    """The checks that need this machine (paths, the Hugging Face cache, the results so far) or a
+    cluster's view (devices against GPUs): StudyError for what would fail, warning and note lines for
+    the rest. `rerun`: points about to be run again from scratch (their directories do not count)."""
+    _check_run_directories(study, rerun)
     return [*_model_notes(study), *_device_warnings(study)]
+
+
+def _check_run_directories(study: Study, rerun: set[str]) -> None:
+    """A run directory that holds a run of another config than its grid point's now (the study config
+    changed under it): the study would never train it again (finished) or the trainer would refuse it
+    (started), so stop here and say how to go on."""
+    changed = []
+    for run in study.runs:
+        saved = study.results / "runs" / run.run_id / CONFIG
+        if saved.is_file() and run.run_id not in rerun:
+            keys = differences(from_dict(run.config).to_dict(), as_saved(read_config(saved)))
+            if keys:
+                changed.append((run.run_id, keys))
+    if changed:
+        (first, keys), more = changed[0], len(changed) - 1
+        raise StudyError(f"results: {study.results / 'runs' / first} was trained with another config than the study "
+                         f"gives it now ({', '.join(keys)}){f', and {more} more run(s)' if more else ''}: restore the "
+                         f"study config, or retrain with --config rerun={first}"
+                         f"{',...' if more else ''} (the old outputs are moved to {study.results / 'discarded'}/)")
 
 
 def _model_notes(study: Study) -> list[str]:

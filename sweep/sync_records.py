@@ -97,3 +97,28 @@ def lines_digest(path: Path, count: int) -> str:
     except OSError:
         return "missing"
     return hashlib.sha256(b"\n".join(data.split(b"\n")[:count])).hexdigest()[:32]
+
+
+def claimed_children(run_dir: Path) -> dict[str, list[str]]:
+    """store key -> the MLflow child runs a run directory's claims name (every generation)."""
+    found: dict[str, list[str]] = {}
+    for claim in sorted(Path(run_dir).glob(f"{HIDDEN}/*/child.*.json")):
+        content = _read(claim)
+        if content and content.get("run_id"):
+            found.setdefault(claim.parent.name, []).append(content["run_id"])
+    return found
+
+
+def retire(directory: Path, run_ids: list[str]) -> None:
+    """Mark MLflow runs as no longer this grid point's (it is rerun from scratch): the next sync deletes
+    them and opens a new child run (`retired.json`, beside the claims)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".retired.{uuid.uuid4().hex}"
+    tmp.write_text(json.dumps(sorted(retired(directory) | set(run_ids))) + "\n")
+    os.replace(tmp, directory / "retired.json")
+
+
+def retired(directory: Path) -> set[str]:
+    """The MLflow runs marked as no longer this grid point's."""
+    content = _read(directory / "retired.json")
+    return set(content) if isinstance(content, list) else set()

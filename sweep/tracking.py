@@ -20,7 +20,17 @@ from pathlib import Path
 
 from sweep import study_page, sync_records  # study_page: what the UI shows of the study
 from sweep.concurrent_tags import set_experiment_tag
-from sweep.run_sync import TAG_ROLE, TAG_STUDY, Store, SyncReport, active_run, claim_run, find_runs, sync_run
+from sweep.run_sync import (
+    TAG_ROLE,
+    TAG_STUDY,
+    Store,
+    SyncReport,
+    active_run,
+    claim_run,
+    find_runs,
+    study_children,
+    sync_run,
+)
 from sweep.runs import load_runs, study_axes
 from trainer.run_files import COMPLETE
 
@@ -177,8 +187,9 @@ def open_study(results: Path, study: str, uri: str):
 def sync(results: Path, study: str, uri: str | None = None, runs: list[Path] | None = None,
          verify: bool | None = None) -> SyncReport:
     """Bring MLflow up to date with `runs` (run directories: a follower's own), or with every run under
-    `results` (the track job: then each run's record is also checked against the server, one request
-    per run, unless `verify` says otherwise). Safe to repeat and to run concurrently, from any node."""
+    `results` (the track job: then each run's record is also checked against the server, the study's
+    runs read in pages of 1,000, unless `verify` says otherwise). Safe to repeat and to run
+    concurrently, from any node."""
     results = Path(results)
     uri = uri or default_uri(results)
     everything = runs is None
@@ -194,8 +205,10 @@ def sync(results: Path, study: str, uri: str | None = None, runs: list[Path] | N
             record.extra_axes = axes
     in_flight: deque = deque()
     try:
+        known = study_children(store.client, store.experiment_id) if verify and len(records) > 1 else None
         for record in records:
-            in_flight.append(sync_run(store, record, report, verify, whole=everything, asynchronous=everything))
+            in_flight.append(sync_run(store, record, report, verify, whole=everything, asynchronous=everything,
+                                      known=known))
             while len(in_flight) > (IN_FLIGHT if everything else 0):
                 in_flight.popleft()()
         while in_flight:

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from test_workflow import planned_jobs, snakemake_jobs
 
+from sweep import jobs
 from sweep.config_schema import schema_problem
 from sweep.grid import StudyError, load_study
 from sweep.plan import job_groups, run_state, sbatch_options, slurm_defaults
@@ -234,15 +235,22 @@ def test_slurm_settings_come_from_the_command_line_else_the_environment():
         "--cpus-per-task=8 --gpus-per-node=1 --mem=64000M --time=240 --partition=a100 --account=lab"
 
 
-def test_the_plans_job_counts_per_model_follow_resources_and_bundles():
-    paper = load_study(yaml.safe_load((REPO / "workflow" / "config" / "paper.yaml").read_text()))
-    groups = {what: jobs for what, jobs, _ in job_groups(paper)}
+def test_the_plans_job_counts_per_model_follow_resources_and_bundles(tmp_path):
+    paper = load_study({**yaml.safe_load((REPO / "workflow" / "config" / "paper.yaml").read_text()),
+                        "results": str(tmp_path)})
+    groups = {what: count for what, count, _ in job_groups(paper, jobs.plan(paper, record=False))}
     assert groups == {"prepare": 4, "train, Qwen2.5-7B, Llama-3.1-8B-Instruct": 222,  # 8 GPUs each
                       "train, Qwen3-4B-Instruct-2507": 111,  # 4 GPUs
                       "evaluate, Qwen2.5-7B, Llama-3.1-8B-Instruct, Qwen3-4B-Instruct-2507": 666, "track": 1,
                       "report": 1}
-    toy_groups = {what: jobs for what, jobs, _ in job_groups(load_study(toy()))}
+    toy_study = load_study({**toy(), "results": str(tmp_path)})
+    toy_groups = {what: count for what, count, _ in job_groups(toy_study, jobs.plan(toy_study, record=False))}
     assert toy_groups == {"prepare": 3, "train, toy-sft": 4, "evaluate, toy-sft": 2, "track": 1, "report": 1}
+    for run in toy_study.runs[:9]:  # the work left: 21 runs in 3 jobs, 21 evaluations in 2
+        (tmp_path / "runs" / run.run_id).mkdir(parents=True)
+        (tmp_path / "runs" / run.run_id / COMPLETE).write_text("{}")
+    toy_groups = {what: count for what, count, _ in job_groups(toy_study, jobs.plan(toy_study, record=False))}
+    assert toy_groups == {"prepare": 3, "train, toy-sft": 3, "evaluate, toy-sft": 2, "track": 1, "report": 1}
 
 
 def test_run_states(tmp_path):

@@ -384,16 +384,17 @@ def test_processes_syncing_the_same_runs_at_once_without_a_shared_lock_make_one_
 
 def test_the_track_job_checks_each_run_against_the_server_and_rebuilds_what_it_lost(tmp_path, served):
     """Records can be wrong (the server's store was replaced, a child run deleted in the UI): the track
-    job checks each one with one request and rebuilds what is missing; followers trust them."""
+    job checks them against one search of the study's runs (a page per 1,000) and rebuilds what is missing;
+    followers trust them."""
     port, log = served
     uri = f"http://127.0.0.1:{port}"
     results = write_study(tmp_path / "results")
     first = sync(results, "lost", uri)
     assert first.runs_created == 5
     before = requests_served(log)
-    again = sync(results, "lost", uri)  # nothing new: one request per run, the study's, its saved views'
+    again = sync(results, "lost", uri)  # nothing new: the study's run, one search of its 5 runs, its saved views
     assert (again.runs_created, again.steps_logged, again.evals_logged) == (0, 0, 0)
-    assert requests_served(log) - before == 5 + 1 + 1
+    assert requests_served(log) - before == 1 + 1 + 1  # it was one request per run, then these two
     gone = first.child_run_ids["toy__k1-reward__b0.05__s0"]
     client(uri).delete_run(gone)
     rebuilt = sync(results, "lost", uri)
@@ -403,6 +404,32 @@ def test_the_track_job_checks_each_run_against_the_server_and_rebuilds_what_it_l
     run = next(r for r in children if r.data.tags["klstudy.run_id"] == "toy__k1-reward__b0.05__s0")
     assert run.data.params["objective.placement"] == "reward" and run.info.status == "FINISHED"
     assert run.data.metrics["eval/all/math500/pass_at_1"] == 0.5
+
+
+def test_a_point_rerun_from_scratch_replaces_its_child_run(tmp_path):
+    """`--config rerun=...` moves a run directory aside (sweep.rerun): the next sync deletes the old child run
+    (restorable in MLflow) and logs the new run's steps into a new one, so the study keeps one row per point.
+    Before, the new directory adopted the old child by its tags, and its first steps were taken as logged."""
+    from sweep import sync_records
+
+    results = write_study(tmp_path / "results")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = sync(results, "rerun", uri)
+    name = "toy__k3-loss__b0.05__s0"
+    run_dir = results / "runs" / name
+    children = sync_records.claimed_children(run_dir)
+    run_dir.rename(tmp_path / "discarded")
+    for key, run_ids in children.items():
+        sync_records.retire(sync_records.records_dir(run_dir, key), run_ids)
+    write_run(results, name, "k3", "loss", 0.05, 0, [0.9, 0.9], {"math500": 0.3})  # retrained: 2 steps so far
+    again = sync(results, "rerun", uri)
+    assert again.runs_created == 1 and again.child_run_ids[name] != first.child_run_ids[name]
+    grid_points, _ = child_runs(uri, "rerun")
+    assert sorted(r.data.tags["klstudy.run_id"] for r in grid_points) == sorted(first.child_run_ids)
+    new = next(r for r in grid_points if r.data.tags["klstudy.run_id"] == name)
+    history = client(uri).get_metric_history(new.info.run_id, "reward_mean")
+    assert [(m.step, m.value) for m in history] == [(0, 0.9), (1, 0.9)]
+    assert client(uri).get_run(first.child_run_ids[name]).info.lifecycle_stage == "deleted"
 
 
 def test_an_unreachable_server_is_one_clear_error(tmp_path):

@@ -356,8 +356,9 @@ def _train_runs_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-runs", help="several runs, one after another, in one process",
                        description="Trains each run of --plan as `train --out DIR OVERRIDES` would, in one process "
                        "(so interpreter start, imports and loading are paid once: studies bundle their small runs "
-                       "this way). Every config is validated before the first run starts; a run that fails does "
-                       "not stop the others (the exit status is then 1); SIGTERM checkpoints the current run and "
+                       "this way). Every config is validated before the first run starts; a finished run is skipped "
+                       "without being opened; a run that fails does not stop the others (its FAILED file says why, "
+                       "and the exit status is then 1); SIGTERM checkpoints the current run and "
                        "exits with 75, and the same command resumes.")
     p.add_argument("--plan", required=True, help='JSON: {"RUN_DIR": ["section.key=value", ...], ...}')
     p.set_defaults(func=_run_train_runs)
@@ -385,11 +386,12 @@ def _run_train_runs(args: argparse.Namespace) -> int:
         try:
             if train(config, out) == EXIT_PREEMPTED:
                 return EXIT_PREEMPTED
-        except (ValueError, TrainingError) as error:
-            log.error("%s: %s", out, error)
+        except Exception as error:  # noqa: BLE001 - one run's failure (recorded in its FAILED) stops no other
+            log.error("%s: %s", out, error if isinstance(error, (ValueError, TrainingError)) else repr(error))
             failed.append(out)
     if failed:
-        log.error("%d of %d runs failed: %s", len(failed), len(configs), ", ".join(map(str, failed)))
+        log.error("%d of %d runs failed: %s (each run's FAILED says why; `python -m sweep status` lists them)",
+                  len(failed), len(configs), ", ".join(map(str, failed)))
     return 1 if failed else 0
 
 

@@ -306,3 +306,22 @@ def load(path: Path | None, overrides: list[str] = ()) -> RunConfig:
         except yaml.YAMLError as error:
             raise ConfigError(f"--config: {path} is not valid YAML ({error})") from None
     return from_dict(apply_overrides(data, list(overrides)))
+
+
+def as_saved(saved: Any) -> Any:
+    """A run directory's config.yaml as it compares with a config now: with the keys added to klstudy
+    since it was written, at their defaults (such a run still resumes); as saved if it no longer
+    validates (then it differs anyway)."""
+    try:
+        return from_dict(saved).to_dict()
+    except ConfigError:
+        return saved
+
+
+def differences(wanted: dict[str, Any], saved: Any) -> list[str]:
+    """The `section.key`s where a saved config (as_saved) differs from the wanted one, sorted."""
+    saved = saved if isinstance(saved, dict) else {}
+    section = lambda data, name: data.get(name) if isinstance(data.get(name), dict) else {}  # noqa: E731
+    return sorted(f"{name}.{key}" for name in set(wanted) | set(saved)
+                  for key in set(section(wanted, name)) | set(section(saved, name))
+                  if section(wanted, name).get(key) != section(saved, name).get(key))

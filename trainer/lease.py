@@ -120,6 +120,20 @@ def _generations(directory: Path) -> list[int]:
     return sorted(found)
 
 
+def current_holder(directory: Path) -> dict[str, Any] | None:
+    """The newest lease's record in `directory` (None if no trainer holds or held it), read only."""
+    generations = _generations(Path(directory)) if Path(directory).is_dir() else []
+    return _read(Path(directory) / f"{PREFIX}{generations[-1]}.json") if generations else None
+
+
+def seems_alive(holder: dict[str, Any], now: float | None = None) -> bool:
+    """Whether a lease's holder looks alive from its file alone (no squeue: a study's status reads hundreds):
+    on this host, its process runs; elsewhere, its heartbeat is fresher than STALE_AFTER_S."""
+    if holder.get("host") == socket.gethostname():
+        return process_alive(int(holder.get("pid", -1)), holder.get("start_time"))
+    return (now or time.time()) - float(holder.get("heartbeat", 0)) <= STALE_AFTER_S
+
+
 def _read(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())

@@ -19,8 +19,10 @@ import copy
 import json
 import logging
 import math
+import os
 import random
 import signal
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ import yaml
 from eval.verify import Verifier, VerifierUnavailable
 from trainer import checkpoint
 from trainer.audits.objective_measure import ObjectiveProbe
-from trainer.config import ConfigError, RunConfig, from_dict
+from trainer.config import ConfigError, RunConfig, as_saved, differences
 from trainer.distributed import (
     World,
     full_optimizer_state,
@@ -45,7 +47,7 @@ from trainer.distributed import (
     load_optimizer_state,
     shard,
 )
-from trainer.lease import Lease
+from trainer.lease import Lease, LeaseHeld, LeaseLost, slurm_job
 from trainer.model.dropout import disable_dropout
 from trainer.model.logprobs import CompletionLogprobs, PackedBatch, pack, states_of_rows, token_matrix
 from trainer.model.models import load_model, load_tokenizer, resolve, save_pretrained_atomic
@@ -57,7 +59,17 @@ from trainer.objective.objective_config import ObjectiveConfig
 from trainer.progress import progress_bar
 from trainer.rollout import make_engine
 from trainer.rollout.base import Rollouts, SamplingParams, sample_seeds
-from trainer.run_files import COMPLETE, CONFIG, METRICS, OBJECTIVE, OBJECTIVE_REFERENCE, read_metrics
+from trainer.run_files import (
+    COMPLETE,
+    CONFIG,
+    METRICS,
+    OBJECTIVE,
+    OBJECTIVE_REFERENCE,
+    TRAIN_LOG,
+    clear_failure,
+    read_metrics,
+    record_failure,
+)
 from trainer.tasks import DataOrder, Task, make_task
 
 log = logging.getLogger(__name__)
@@ -163,15 +175,6 @@ class _SigtermFlag:
 
     def __exit__(self, *exc: object) -> None:
         signal.signal(signal.SIGTERM, self._previous)
-
-
-def _with_defaults(saved: Any) -> Any:
-    """A saved run config with the keys added to klstudy since it was written at their defaults, so
-    that such a run still resumes; as saved if it no longer validates (then it differs anyway)."""
-    try:
-        return from_dict(saved).to_dict()
-    except ConfigError:
-        return saved
 
 
 def check_before_loading(config: RunConfig) -> Task:
@@ -293,22 +296,22 @@ class Run:
             try:
                 self.lease = Lease.acquire(self.out)
                 self._check_or_write_config()
+                clear_failure(self.out)  # this attempt replaces the last one's record
             except ValueError as error:  # ConfigError, LeaseHeld
                 self.release()
-                problem = str(error)
+                problem = (isinstance(error, LeaseHeld), str(error))
         problems = [p for p in self.world.gather(problem) if p]
         if problems:
-            raise ConfigError(problems[0])
+            held, message = problems[0]
+            raise (LeaseHeld if held else ConfigError)(message)
 
     def _check_or_write_config(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         config_file = self.out / CONFIG
         wanted = self.config.to_dict()
         if config_file.exists():
-            existing = _with_defaults(yaml.safe_load(config_file.read_text()))
-            if existing != wanted:
-                changed = sorted(f"{s}.{k}" for s in wanted for k in set(wanted[s]) | set(existing.get(s, {}))
-                                 if wanted[s].get(k) != existing.get(s, {}).get(k))
+            changed = differences(wanted, as_saved(yaml.safe_load(config_file.read_text())))
+            if changed:
                 raise ConfigError(f"--out {self.out} holds a run with a different config ({', '.join(changed)}); "
                                   "use another --out, or the same config to resume it")
         else:
@@ -768,7 +771,11 @@ class Run:
 
 
 def train(config: RunConfig, out_dir: Path) -> int:
-    """Run, resume or skip (if complete) the run in `out_dir`; the process exit status."""
+    """Run, resume or skip (if complete) the run in `out_dir`; the process exit status.
+
+    A finished run is left exactly as it is: nothing in it is opened for writing. A run that fails
+    records why in FAILED (trainer.run_files), with its log, `train.log`, which every attempt appends
+    to; a trainer stopped because another one holds the directory writes nothing there."""
     out_dir = Path(out_dir)
     if (out_dir / COMPLETE).exists():
         log.info("%s is already complete; nothing to do", out_dir)
@@ -776,15 +783,49 @@ def train(config: RunConfig, out_dir: Path) -> int:
     with _SigtermFlag() as sigterm:  # from the start: a SIGTERM during loading also ends in a clean exit
         world = World.from_environment(config.model.device)
         run = None
-        try:
-            run = Run(config, out_dir, world)
-            run.train(sigterm)
-        except Preempted:
-            log.warning("preempted at step %d; checkpoint written, exiting with %d", run.step, EXIT_PREEMPTED)
-            return EXIT_PREEMPTED
-        finally:
-            if run is not None:
-                run.engine.close()  # before the process group goes: vLLM tears down its groups in it
-                run.release()
-            world.close()
+        with _run_log(out_dir, world.main):
+            try:
+                run = Run(config, out_dir, world)
+                run.train(sigterm)
+            except Preempted:
+                log.warning("preempted at step %d; checkpoint written, exiting with %d", run.step, EXIT_PREEMPTED)
+                return EXIT_PREEMPTED
+            except (LeaseHeld, LeaseLost):
+                raise  # the directory is another trainer's
+            except Exception as error:
+                step = run.step if run is not None else None
+                if isinstance(error, (ValueError, TrainingError)):
+                    log.error("the run failed at step %s: %s", step, error)
+                    reason = str(error)
+                else:  # a bug or a broken machine: the traceback goes into the run's log
+                    log.exception("the run failed at step %s", step)
+                    reason = f"{type(error).__name__}: {error}"
+                if world.main:
+                    record_failure(out_dir, reason, step)
+                raise
+            finally:
+                if run is not None:
+                    run.engine.close()  # before the process group goes: vLLM tears down its groups in it
+                    run.release()
+                world.close()
     return 0
+
+
+@contextlib.contextmanager
+def _run_log(out_dir: Path, main: bool):
+    """The run's own log, `<run>/train.log`: what this process logs while it trains the run, appended."""
+    if not main:
+        yield
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(out_dir / TRAIN_LOG)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    log.info("attempt started: pid %d on %s%s", os.getpid(), socket.gethostname(),
+             f", SLURM job {slurm_job()}" if slurm_job() else "")
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()

@@ -1,7 +1,8 @@
 # evaluate: every final model on every suite of the study (and, with evaluate.every = N, every
 # N-th checkpoint too), through lm-eval with the same verifier as the training rewards. One job per
-# evaluation, or `bundle.evaluate` evaluations of one suite per job (one `python -m eval run`
-# process with a --model/--out/--seed per evaluation).
+# pending evaluation, or `bundle.evaluate` pending evaluations of one model and suite per job (one
+# `python -m eval run` process with a --model/--out/--seed per evaluation). A finished evaluation (its
+# metrics.json, written last) is in no job (sweep.jobs).
 
 
 def _eval_args(run):
@@ -18,82 +19,73 @@ def _eval_args(run):
 
 EVAL_ARGS = {run.run_id: _eval_args(run) for run in STUDY.runs}
 EVAL_DATA = [STUDY.data_file(name) for name in STUDY.data if name in STUDY.evaluate["data"].values()]
+PENDING_EVALS = {target.key: target for target in WORK.evaluations}
 
 
-def evaluated(run, step, suite):
-    """Where an evaluation goes: results/eval/<run>/<suite> (final model) or .../step_<N>/<suite>."""
-    return RESULTS / "eval" / run / ("" if step is None else f"step_{step}") / suite
+def evaluated_model(target):
+    """The model an evaluation reads: the run's final/ or its checkpoint's model/."""
+    run = RESULTS / "runs" / target.run
+    return run / ("final" if target.step is None else f"checkpoints/step_{target.step}/model")
 
 
-def evaluated_model(run, step):
-    return RESULTS / "runs" / run / ("final" if step is None else f"checkpoints/step_{step}/model")
-
-
-# every evaluation the study asks for, run by run (so that a bundle waits for few training jobs):
-# (run, step), with step None for the final model
-EVALUATIONS = [(run, step) for run in RUN_IDS for step in [*STUDY.eval_steps(run), None]]
+def run_of_evaluation(wildcards):
+    return PENDING_EVALS[wildcards.evaluation].run
 
 
 def all_evaluations():
     """Every metrics.json the study asks for."""
-    return [evaluated(run, step, suite) / "metrics.json" for run, step in EVALUATIONS
-            for suite in STUDY.evaluate["suites"]]
+    return [RESULTS / "eval" / target.key / "metrics.json" for target in jobs.evaluations(STUDY)]
 
 
 if STUDY.bundle["evaluate"] == 1:
 
     rule evaluate:
+        """One evaluation, named by its directory under results/eval (<run>/<suite>, <run>/step_<N>/<suite>)."""
         input:
-            complete=RESULTS / "runs" / "{run}" / "COMPLETE",
+            complete=lambda wc: RESULTS / "runs" / PENDING_EVALS[wc.evaluation].run / "COMPLETE",
             data=EVAL_DATA,
         output:
-            RESULTS / "eval" / "{run}" / "{suite}" / "metrics.json",
+            RESULTS / "eval" / "{evaluation}" / "metrics.json",
+        wildcard_constraints:
+            evaluation=jobs.only(list(PENDING_EVALS)),  # a finished evaluation is a plain file, in no job
         params:
-            model=f"{RESULTS}/runs/{{run}}/final",  # strings: Snakemake fills wildcards into strings only
-            out=f"{RESULTS}/eval/{{run}}/{{suite}}",
-            args=lambda wc: EVAL_ARGS[wc.run] + [f"--seed={STUDY.run(wc.run).seed}"],
+            model=lambda wc: evaluated_model(PENDING_EVALS[wc.evaluation]),
+            out=f"{RESULTS}/eval/{{evaluation}}",  # a string: Snakemake fills wildcards into strings only
+            suite=lambda wc: PENDING_EVALS[wc.evaluation].suite,
+            args=lambda wc: EVAL_ARGS[PENDING_EVALS[wc.evaluation].run]
+            + [f"--seed={STUDY.run(PENDING_EVALS[wc.evaluation].run).seed}"],
         log:
-            LOGS / "evaluate" / "{run}" / "{suite}.log",
-        threads: rule_threads("evaluate", per_model=True)
+            LOGS / "evaluate" / "{evaluation}.log",
+        threads: rule_threads("evaluate", per_model=True, run_of=run_of_evaluation)
         resources:
-            **rule_resources("evaluate", per_model=True),
+            **rule_resources("evaluate", per_model=True, run_of=run_of_evaluation),
         shell:
-            "{PY} -m eval run --model {params.model} --suite {wildcards.suite} --out {params.out} {params.args:q}"
+            "{PY} -m eval run --model {params.model} --suite {params.suite} --out {params.out} {params.args:q}"
             " > {log} 2>&1"
 
-    use rule evaluate as evaluate_checkpoint with:
-        output:
-            RESULTS / "eval" / "{run}" / "step_{step}" / "{suite}" / "metrics.json",
-        params:
-            model=f"{RESULTS}/runs/{{run}}/checkpoints/step_{{step}}/model",
-            out=f"{RESULTS}/eval/{{run}}/step_{{step}}/{{suite}}",
-            args=lambda wc: EVAL_ARGS[wc.run] + [f"--seed={STUDY.run(wc.run).seed}"],
-        log:
-            LOGS / "evaluate" / "{run}" / "step_{step}-{suite}.log",
-
 else:
-    for suite in STUDY.evaluate["suites"]:
-        for number, members in enumerate(STUDY.bundles("evaluate", EVALUATIONS, model_of=lambda e: e[0])):
-            first = STUDY.run(members[0][0])
+    for bundle in WORK.evaluate_bundles:  # pending evaluations only, in recorded bundles (sweep.jobs)
+        members = [PENDING_EVALS[key] for key in bundle.pending]
+        first = STUDY.run(members[0].run)
 
-            rule:
-                name:
-                    f"evaluate_{suite}_{number}"
-                input:
-                    complete=sorted({RESULTS / "runs" / run / "COMPLETE" for run, _ in members}),
-                    data=EVAL_DATA,
-                output:
-                    [evaluated(run, step, suite) / "metrics.json" for run, step in members],
-                params:
-                    each=[f"--{flag}={value}" for run, step in members for flag, value in (
-                        ("model", evaluated_model(run, step)), ("out", evaluated(run, step, suite)),
-                        ("seed", STUDY.run(run).seed))],
-                    args=EVAL_ARGS[first.run_id],
-                    suite=suite,
-                log:
-                    LOGS / "evaluate" / f"{suite}_job_{number}.log",
-                threads: STUDY.resources_for("evaluate", first.model)["cpus"]
-                resources:
-                    **model_resources("evaluate", first.model),
-                shell:
-                    "{PY} -m eval run --suite {params.suite} {params.each:q} {params.args:q} > {log} 2>&1"
+        rule:
+            name:
+                bundle.name
+            input:
+                complete=sorted({RESULTS / "runs" / target.run / "COMPLETE" for target in members}),
+                data=EVAL_DATA,
+            output:
+                [RESULTS / "eval" / target.key / "metrics.json" for target in members],
+            params:
+                each=[f"--{flag}={value}" for target in members for flag, value in (
+                    ("model", evaluated_model(target)), ("out", RESULTS / "eval" / target.key),
+                    ("seed", STUDY.run(target.run).seed))],
+                args=EVAL_ARGS[first.run_id],
+                suite=members[0].suite,
+            log:
+                LOGS / "evaluate" / f"{bundle.name}.log",
+            threads: STUDY.resources_for("evaluate", first.model)["cpus"]
+            resources:
+                **model_resources("evaluate", first.model),
+            shell:
+                "{PY} -m eval run --suite {params.suite} {params.each:q} {params.args:q} > {log} 2>&1"

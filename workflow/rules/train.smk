@@ -1,9 +1,10 @@
-# train: one job per grid point, or `bundle.train` grid points per job (trained one after another in
-# one process: `python -m trainer train-runs`). The run directory is the state: the trainer resumes
-# from its newest valid checkpoint and leaves a finished run alone, and COMPLETE (the job's output)
-# appears last, so an interrupted job never looks finished. With live tracking (below), a follower
-# streams the job's runs' metrics to the tracking server while they train. A job with several GPUs runs the
-# trainer under `accelerate launch`, one process per GPU (trainer.launch).
+# train: one job per pending grid point, or `bundle.train` pending grid points per job (trained one after
+# another in one process: `python -m trainer train-runs`). The run directory is the state (sweep.jobs): a
+# finished run (COMPLETE, which the trainer writes last) is in no job, so nothing reopens it; an interrupted
+# one resumes from its newest valid checkpoint; a failed one records why (FAILED) without stopping the
+# others of its job. With live tracking (below), a follower streams the job's runs' metrics to the tracking
+# server while they train. A job with several GPUs runs the trainer under `accelerate launch`, one process
+# per GPU (trainer.launch).
 
 
 import os
@@ -11,7 +12,6 @@ import subprocess
 
 MODEL_READY = {run.run_id: STUDY.model_ready(run.model) for run in STUDY.runs}
 OVERRIDES = {run.run_id: run.overrides() for run in STUDY.runs}
-TRAIN_JOBS = STUDY.bundles("train", RUN_IDS)
 
 
 def train_launcher(model):
@@ -68,6 +68,8 @@ if STUDY.bundle["train"] == 1:
             model=lambda wc: MODEL_READY[wc.run],
         output:
             RESULTS / "runs" / "{run}" / "COMPLETE",
+        wildcard_constraints:
+            run=jobs.only(WORK.runs),  # a finished run is a plain file: no job of this rule reopens it
         params:
             out=f"{RESULTS}/runs/{{run}}",  # a string: Snakemake fills wildcards into strings only
             follow=f"{RESULTS}/runs/{{run}}",
@@ -86,12 +88,13 @@ if STUDY.bundle["train"] == 1:
             + follower()[1]
 
 else:
-    for number, runs in enumerate(TRAIN_JOBS):
+    for bundle in WORK.train_bundles:  # pending runs only, in recorded bundles (sweep.jobs)
+        runs = bundle.pending
         model = STUDY.run(runs[0]).model
 
         rule:
             name:
-                f"train_{number}"
+                bundle.name
             input:
                 model=MODEL_READY[runs[0]],
             output:
@@ -103,8 +106,8 @@ else:
                 results=RESULTS,
                 study=STUDY.name,
             log:
-                train=LOGS / "train" / f"job_{number}.log",
-                track=LOGS / "train" / f"job_{number}.track.log",
+                train=LOGS / "train" / f"{bundle.name}.log",
+                track=LOGS / "train" / f"{bundle.name}.track.log",
             threads: STUDY.resources_for("train", model)["cpus"]
             resources:
                 **model_resources("train", model),

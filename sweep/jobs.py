@@ -1,0 +1,208 @@
+"""What a study still has to do, and the jobs that do it: no finished grid point is ever in a job.
+
+The run directories say what is finished: a run with COMPLETE (the trainer writes it last), an
+evaluation with its metrics.json (written last, atomically). The Snakefile gives Snakemake rules for
+pending work only. A finished run or evaluation is a plain file to Snakemake, never the output of a
+job, so no job reopens or rewrites it and nothing downstream of it is redone, whatever was killed
+and whenever: Snakemake's incomplete-job bookkeeping and which job happened to produce the file no
+longer matter.
+
+Bundles (`bundle.train`, `bundle.evaluate` in the study config) group pending work of one model (and,
+for evaluations, one suite) into jobs. A bundle is recorded when it is first planned
+(`<results>/.bundles/<rule>/<key>.json`, the key a digest of its members) and keeps its name while it
+has pending members, so that
+- a job started on a compute node, which reads the Snakefile again, finds the very bundle it was
+  submitted for (the main process's record, not a new plan from a later state of the results);
+- a SLURM job that outlived the Snakemake that submitted it is recognized by the next one, which
+  follows it rather than submitting it again (the executor knows a job by its rule's name).
+
+A bundle's job covers the members still pending when it is planned or started. Pending points that
+no recorded bundle holds (new seeds, a new beta, a point discarded for a rerun) form new bundles, in
+grid order. Only the main Snakemake process records and forgets bundles, and never in a dry run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Hashable
+
+from sweep.grid import Study
+from trainer.run_files import COMPLETE
+
+log = logging.getLogger(__name__)
+
+LEDGER = ".bundles"
+METRICS_JSON = "metrics.json"
+
+
+@dataclass(frozen=True)
+class EvalTarget:
+    """One evaluation a study asks for: a run's final model (step None) or checkpoint, on one suite."""
+
+    run: str
+    step: int | None
+    suite: str
+
+    @property
+    def where(self) -> str:
+        """Its directory under results/eval/<run>: <suite>, or step_<N>/<suite>."""
+        return self.suite if self.step is None else f"step_{self.step}/{self.suite}"
+
+    @property
+    def key(self) -> str:
+        """Its directory under results/eval, which names it: <run>/<suite> or <run>/step_<N>/<suite>."""
+        return f"{self.run}/{self.where}"
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A job's worth of pending work: `pending` of the recorded `members` (run ids or evaluation keys)."""
+
+    rule: str
+    key: str
+    members: tuple[str, ...]
+    pending: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """The Snakemake rule that runs it (stable while it has pending members)."""
+        return f"{self.rule}_{self.key}"
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the study still has to do: pending runs and evaluations, in grid order, and their jobs."""
+
+    runs: list[str]
+    evaluations: list[EvalTarget]
+    train_bundles: list[Bundle]
+    evaluate_bundles: list[Bundle]
+
+
+def run_finished(study: Study, run_id: str) -> bool:
+    return (study.results / "runs" / run_id / COMPLETE).is_file()
+
+
+def evaluation_file(study: Study, target: EvalTarget) -> Path:
+    return study.results / "eval" / target.key / METRICS_JSON
+
+
+def evaluations(study: Study) -> list[EvalTarget]:
+    """Every evaluation the study asks for, run by run (so that a bundle waits for few training jobs)."""
+    return [EvalTarget(run.run_id, step, suite) for run in study.runs
+            for step in [*study.eval_steps(run.run_id), None] for suite in study.evaluate["suites"]]
+
+
+def plan(study: Study, record: bool) -> Work:
+    """The study's pending work and its jobs. `record`: write new bundles and forget those with nothing
+    left to do (the main Snakemake process, not a dry run); else only recorded bundles are kept and new
+    ones are planned without a trace."""
+    runs, evals, train_group, eval_group = _pending(study)
+    return Work(runs, evals, _bundles(study, "train", runs, train_group, record),
+                _bundles(study, "evaluate", [t.key for t in evals], eval_group, record))
+
+
+def recorded(study: Study) -> Work:
+    """The main process's plan as recorded, for a job started on a compute node: every recorded bundle,
+    with the members still pending now, and nothing new."""
+    runs, evals, train_group, eval_group = _pending(study)
+    return Work(runs, evals, _recorded(study, "train", runs, train_group),
+                _recorded(study, "evaluate", [t.key for t in evals], eval_group))
+
+
+def _pending(study: Study):
+    """Pending runs and evaluations, in grid order, and what groups them into jobs (for runs: the model;
+    for evaluations: the model and the suite)."""
+    runs = [run.run_id for run in study.runs if not run_finished(study, run.run_id)]
+    evals = [target for target in evaluations(study) if not evaluation_file(study, target).is_file()]
+    model = {run.run_id: run.model for run in study.runs}
+    by_key = {target.key: target for target in evals}
+    return runs, evals, model.get, lambda key: (model[by_key[key].run], by_key[key].suite)
+
+
+def ledger(study: Study, rule: str) -> Path:
+    return study.results / LEDGER / rule
+
+
+def _read(path: Path) -> list[str] | None:
+    try:
+        members = json.loads(path.read_text())["members"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # torn by a hard kill: its members are planned again
+    return members if isinstance(members, list) and all(isinstance(m, str) for m in members) else None
+
+
+def _recorded(study: Study, rule: str, pending: list[str], group_of: Callable[[str], Hashable]) -> list[Bundle]:
+    found, directory = [], ledger(study, rule)
+    if study.bundle[rule] == 1:
+        return found
+    position = {item: i for i, item in enumerate(pending)}
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        members = _read(path)
+        if members and (left := tuple(sorted((m for m in members if m in position), key=position.get))):
+            found.append(Bundle(rule, path.stem, tuple(members), left))
+    return _in_order(found, pending, group_of)
+
+
+def _bundles(study: Study, rule: str, pending: list[str], group_of: Callable[[str], Hashable],
+             record: bool) -> list[Bundle]:
+    """Recorded bundles that still fit the study (each member pending in one group, no more than
+    `bundle.<rule>` of them), then new bundles of the pending items no kept bundle holds. With `record`,
+    the ledger is left holding exactly these."""
+    size, directory = study.bundle[rule], ledger(study, rule)
+    if size == 1:  # a job per item, named by the rule's wildcard: no bundle is recorded
+        if record and directory.is_dir():
+            for path in directory.glob("*.json"):
+                path.unlink()
+        return []
+    position = {item: i for i, item in enumerate(pending)}
+    kept, taken, stale = [], set(), []
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        members = _read(path) or []
+        left = [m for m in members if m in position and m not in taken]
+        if left and len(left) <= size and len({group_of(m) for m in left}) == 1:
+            kept.append(Bundle(rule, path.stem, tuple(members), tuple(sorted(left, key=position.get))))
+            taken.update(left)
+        else:
+            stale.append(path)
+    groups: dict[Hashable, list[str]] = {}
+    for item in pending:
+        if item not in taken:
+            groups.setdefault(group_of(item), []).append(item)
+    new = [tuple(items[i:i + size]) for items in groups.values() for i in range(0, len(items), size)]
+    fresh = [Bundle(rule, _key(rule, members), members, members) for members in new]
+    if record:
+        for path in stale:
+            path.unlink(missing_ok=True)
+        for bundle in fresh:
+            _write(directory / f"{bundle.key}.json", bundle.members)
+    return _in_order(kept + fresh, pending, group_of)
+
+
+def _in_order(bundles: list[Bundle], pending: list[str], group_of: Callable[[str], Hashable]) -> list[Bundle]:
+    """Group by group (in the order the grid first meets them), then in grid order."""
+    position = {item: i for i, item in enumerate(pending)}
+    rank = {group: i for i, group in enumerate(dict.fromkeys(group_of(item) for item in pending))}
+    return sorted(bundles, key=lambda bundle: (rank[group_of(bundle.pending[0])], position[bundle.pending[0]]))
+
+
+def _key(rule: str, members: tuple[str, ...]) -> str:
+    return hashlib.sha256(json.dumps([rule, *members]).encode()).hexdigest()[:10]
+
+
+def _write(path: Path, members: tuple[str, ...]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"members": list(members)}) + "\n")
+    os.replace(tmp, path)
+
+
+def only(items: list[str]) -> str:
+    """A wildcard constraint that matches exactly these items (none: nothing)."""
+    return "|".join(re.escape(item) for item in items) or "(?!)"

@@ -1,0 +1,313 @@
+"""A study grown and repaired as researchers do, locally and through profiles/slurm: Snakemake killed
+at three moments, seeds added, a run that fails inside a bundle and is rerun. Nothing finished is
+ever opened again (every file keeps its bytes and mtime), new grid points run alone, and failed
+points rerun alone. The model-free parts (the plan of pending work and its bundles, discarding
+points, the status) are tested on synthetic run directories."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from test_slurm import SLURM, cluster_up
+from test_workflow import LOCAL, REDUCED, SNAKEMAKE, write_config
+
+from sweep import jobs, rerun, status
+from sweep.checks import StudyError
+from sweep.grid import load_study
+from sweep.study_check import preflight
+from trainer.run_files import COMPLETE, read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The reduced toy study in jobs of two runs and of three evaluations: four runs of six steps, each
+# evaluated at step 3 and at the end.
+HEALING = {**json.loads(json.dumps(REDUCED)), "study": "toy-heal", "bundle": {"train": 2, "evaluate": 3}}
+RUNS = ["toy-sft__k1-reward__b0.1__s0", "toy-sft__k3-reward__b0.1__s0", "toy-sft__k3-loss__b0.1__s0",
+        "toy-sft__none__s0"]
+GROWN = [name.replace("__s0", "__s1") for name in RUNS]
+
+
+def study_of(config: dict, results: Path):
+    return load_study({**config, "results": str(results)})
+
+
+# --- synthetic run directories (no model, no Snakemake) ------------------------------------------
+
+
+def finish(results: Path, run: str, evals: tuple[str, ...] = ("toy", "step_3/toy")) -> None:
+    """A run directory as the trainer leaves a finished run, and its evaluations."""
+    directory = results / "runs" / run
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(6)))
+    (directory / COMPLETE).write_text(json.dumps({"steps": 6}) + "\n")
+    for where in evals:
+        (results / "eval" / run / where).mkdir(parents=True, exist_ok=True)
+        (results / "eval" / run / where / "metrics.json").write_text("{}\n")
+
+
+def test_only_pending_work_is_planned_and_a_bundle_keeps_its_name_while_it_has_work(tmp_path):
+    study = study_of(HEALING, tmp_path)
+    first = jobs.plan(study, record=True)
+    assert first.runs == RUNS and [b.pending for b in first.train_bundles] == [tuple(RUNS[:2]), tuple(RUNS[2:])]
+    assert [len(b.pending) for b in first.evaluate_bundles] == [3, 3, 2]  # 8 evaluations, in grid order
+    assert sorted(p.stem for p in jobs.ledger(study, "train").glob("*.json")) == sorted(
+        b.key for b in first.train_bundles)
+
+    finish(tmp_path, RUNS[0])  # a job was killed after its first run finished
+    again = jobs.plan(study, record=True)
+    assert again.runs == RUNS[1:]
+    assert [(b.name, b.pending) for b in again.train_bundles] == [
+        (first.train_bundles[0].name, (RUNS[1],)), (first.train_bundles[1].name, tuple(RUNS[2:]))]
+    # a job started on a compute node reads the same jobs back, whatever it plans itself
+    assert jobs.recorded(study).train_bundles == again.train_bundles
+    assert jobs.recorded(study).evaluate_bundles == again.evaluate_bundles
+
+    for run in RUNS:
+        finish(tmp_path, run)
+    grown = study_of({**HEALING, "grid": {**HEALING["grid"], "seeds": [0, 1]}}, tmp_path)
+    work = jobs.plan(grown, record=True)
+    assert work.runs == GROWN  # the new seed's points alone, in new bundles
+    assert [b.pending for b in work.train_bundles] == [tuple(GROWN[:2]), tuple(GROWN[2:])]
+    assert {b.name for b in work.train_bundles}.isdisjoint(b.name for b in first.train_bundles)
+    assert [t.run for t in work.evaluations] == [run for run in GROWN for _ in range(2)]
+    assert len(list(jobs.ledger(grown, "train").glob("*.json"))) == 2  # the finished bundles are forgotten
+
+    dry = jobs.plan(study_of({**HEALING, "grid": {**HEALING["grid"], "seeds": [0, 1, 2]}}, tmp_path), record=False)
+    assert len(dry.train_bundles) == 4 and len(list(jobs.ledger(grown, "train").glob("*.json"))) == 2
+
+
+def test_a_recorded_bundle_that_no_longer_fits_the_study_is_planned_again(tmp_path):
+    study = study_of(HEALING, tmp_path)
+    jobs.plan(study, record=True)
+    smaller = study_of({**HEALING, "bundle": {"train": 1, "evaluate": 3}}, tmp_path)
+    work = jobs.plan(smaller, record=True)
+    assert work.train_bundles == [] and work.runs == RUNS  # a job per run, named by the rule's wildcard
+    assert not list(jobs.ledger(study, "train").glob("*.json"))  # no stale bundle to define a second rule
+    assert jobs.only(["a.b", "c"]) == r"a\.b|c" and re.fullmatch(jobs.only([]), "") is None
+
+
+def test_rerun_moves_the_chosen_points_aside_and_refuses_what_it_cannot_do(tmp_path):
+    study = study_of(HEALING, tmp_path)
+    for run in RUNS[:3]:
+        finish(tmp_path, run)
+    with pytest.raises(StudyError, match=r"toy-sft__k1-reward__b0\.2__s0 is not a grid point.*did you mean "
+                                         r"toy-sft__k1-reward__b0\.1__s0.*nothing was discarded"):
+        rerun.discard(study, f"{RUNS[1]},toy-sft__k1-reward__b0.2__s0")
+    assert (tmp_path / "runs" / RUNS[1] / COMPLETE).is_file()  # nothing moved
+
+    (tmp_path / "runs" / RUNS[3]).mkdir(parents=True)  # a trainer on this host holds it now
+    (tmp_path / "runs" / RUNS[3] / "lease.0.json").write_text(json.dumps(
+        {"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}))
+    with pytest.raises(StudyError, match=f"{RUNS[3]} is being trained now, by pid {os.getpid()}"):
+        rerun.discard(study, [RUNS[0], RUNS[3]])
+    assert (tmp_path / "runs" / RUNS[0] / COMPLETE).is_file()
+
+    child = tmp_path / "runs" / RUNS[0] / ".mlflow" / "store1"
+    child.mkdir(parents=True)
+    (child / "child.0.json").write_text(json.dumps({"run_id": "old-child"}))
+    assert rerun.discard(study, RUNS[0], dry_run=True) == [RUNS[0]] and (tmp_path / "runs" / RUNS[0]).is_dir()
+    assert rerun.discard(study, RUNS[0]) == [RUNS[0]]
+    [moved] = (tmp_path / "discarded").iterdir()
+    assert (moved / "runs" / RUNS[0] / COMPLETE).is_file() and (moved / "eval" / RUNS[0] / "toy").is_dir()
+    assert not (tmp_path / "eval" / RUNS[0]).exists()
+    assert json.loads((child / "retired.json").read_text()) == ["old-child"]  # the next sync deletes it
+    assert jobs.plan(study, record=False).runs == [RUNS[0], RUNS[3]]
+    assert rerun.chosen(study, "failed") == []
+
+
+def test_status_reads_every_point_from_its_run_directory(tmp_path):
+    study = study_of(HEALING, tmp_path)
+    finish(tmp_path, RUNS[0], evals=("toy",))
+    failed = tmp_path / "runs" / RUNS[1]
+    failed.mkdir(parents=True)
+    (failed / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(4)))
+    from trainer.run_files import record_failure
+
+    record_failure(failed, "3 non-finite updates in a row", 4)
+    running = tmp_path / "runs" / RUNS[2]
+    running.mkdir(parents=True)
+    (running / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    (running / "lease.3.json").write_text(json.dumps({"host": "gpu-node-7", "pid": 4242, "slurm_job": "812_3",
+                                                      "heartbeat": time.time() - 12}))
+    points = status.study_status(study)
+    assert [p.state for p in points] == ["done", "failed", "running", "pending"]
+    assert (points[0].evaluations_done, points[0].evaluations) == (1, 2)
+    assert points[1].detail["reason"] == "3 non-finite updates in a row" and points[1].step == 4
+    assert points[1].detail["log"] == str(failed / "train.log")
+    assert points[2].detail["slurm_job"] == "812_3" and points[2].step == 1
+    lines = status.report(study, points, ("failed", "running"))
+    assert lines[0] == f"study toy-heal ({tmp_path}/): 4 points: 1 done, 1 failed, 1 running, 1 pending"
+    assert len(lines) == 4 and "SLURM job 812_3" in lines[2] and "--config rerun=failed" in lines[3]
+    (running / "lease.3.json").write_text(json.dumps({"host": "gpu-node-7", "heartbeat": time.time() - 3600}))
+    assert status.study_status(study)[2].state == "pending"  # its holder stopped beating an hour ago
+
+    cli = subprocess.run([sys.executable, "-m", "sweep", "status", "--configfile", str(write_config(tmp_path, {
+        **HEALING, "results": str(tmp_path)})), "--json"], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    assert [p["state"] for p in json.loads(cli.stdout)] == ["done", "failed", "pending", "pending"]
+
+
+def test_a_run_directory_trained_with_another_config_stops_the_study_with_the_fix(tmp_path):
+    study = study_of(HEALING, tmp_path)
+    finish(tmp_path, RUNS[0])
+    saved = dict(study.run(RUNS[0]).config, train={**study.run(RUNS[0]).config["train"], "steps": 4})
+    (tmp_path / "runs" / RUNS[0] / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(StudyError, match=rf"runs/{RUNS[0]} was trained with another config than the study gives it "
+                                         rf"now \(train.steps\): restore the study config, or retrain with "
+                                         rf"--config rerun={re.escape(RUNS[0])}"):
+        preflight(study)
+    assert preflight(study, rerun={RUNS[0]}) is not None
+
+
+# --- the study itself, killed, grown and repaired ------------------------------------------------
+
+
+def snapshot(results: Path) -> dict[str, tuple[str, int]]:
+    """Every file of the finished runs and evaluations (their sync records apart): digest and mtime."""
+    roots = [p.parent for p in (results / "runs").glob(f"*/{COMPLETE}")]
+    roots += [p.parent for p in (results / "eval").rglob("metrics.json")]
+    files = {}
+    for root in roots:
+        for path in root.rglob("*"):
+            if path.is_file() and ".mlflow" not in path.parts:
+                files[str(path.relative_to(results))] = (hashlib.sha256(path.read_bytes()).hexdigest(),
+                                                        path.stat().st_mtime_ns)
+    return files
+
+
+def start(directory: Path, config: Path, profile: list[str], log: str, *extra: str) -> subprocess.Popen:
+    handle = (directory / log).open("w")
+    return subprocess.Popen([*SNAKEMAKE, *profile, "--directory", str(directory), "--configfile", str(config), *extra],
+                            stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_when(process: subprocess.Popen, ready, log: Path, timeout: float = 600) -> None:
+    """SIGKILL Snakemake's process group (locally its jobs too; on SLURM they go on) once `ready()`."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+
+
+def finish_study(directory: Path, config: Path, profile: list[str], *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*SNAKEMAKE, *profile, "--directory", str(directory), "--configfile", str(config), *extra],
+                          capture_output=True, text=True, timeout=1200)
+
+
+def poison(source: Path, run_dir: Path) -> None:
+    """A checkpoint that passes the trainer's checks but whose weights are NaN: the run fails on resume."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target = run_dir / "checkpoints" / source.name
+    shutil.copytree(source, target)
+    weights = target / "model" / "model.safetensors"
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})
+
+
+def attempts(results: Path, run: str) -> int:
+    log = results / "runs" / run / "train.log"
+    return log.read_text().count("attempt started") if log.is_file() else 0
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reduced study run once without interruption: its table is what every healed study must give."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    done = finish_study(directory, write_config(directory, HEALING), [*LOCAL])
+    assert done.returncode == 0, done.stderr[-4000:]
+    return (directory / "results" / "tables" / "results.md").read_text()
+
+
+def grow_and_heal(directory: Path, profile: list[str], uninterrupted: str) -> None:
+    config = write_config(directory, HEALING)
+    results = directory / "results"
+    runs = [results / "runs" / name for name in RUNS]
+    kept: dict[str, tuple[str, int]] = {}
+
+    def mid_bundle():
+        return any((r / "checkpoints" / "step_3").is_dir() for r in runs) and not any((r / COMPLETE).exists()
+                                                                                       for r in runs)
+
+    def some_finished():
+        return 0 < sum((r / COMPLETE).exists() for r in runs) < len(runs)
+
+    def evaluating():
+        return 0 < len(list((results / "eval").rglob("metrics.json"))) < 2 * len(RUNS)
+
+    for number, moment in enumerate((mid_bundle, some_finished, evaluating)):
+        log = f"killed-{number}.log"
+        kill_when(start(directory, config, profile, log), moment, directory / log)
+        kept |= {path: seen for path, seen in snapshot(results).items() if path not in kept}
+    healed = finish_study(directory, config, profile)
+    assert healed.returncode == 0, healed.stderr[-5000:]
+    assert kept and all(snapshot(results)[path] == seen for path, seen in kept.items())  # bytes and mtimes
+    for run in RUNS:
+        assert [m["step"] for m in read_metrics(results / "runs" / run / "metrics.jsonl")] == list(range(6))
+    assert (results / "tables" / "results.md").read_text() == uninterrupted
+    assert "Nothing to be done" in finish_study(directory, config, profile, "-n").stdout
+
+    # Two more seeds' worth of points, one of which will fail: a checkpoint of NaN weights to resume from.
+    grown = write_config(directory, {**HEALING, "grid": {**HEALING["grid"], "seeds": [0, 1]}})
+    poison(results / "runs" / RUNS[2] / "checkpoints" / "step_3", results / "runs" / GROWN[2])
+    kept = snapshot(results)
+    dry = finish_study(directory, grown, profile, "-n", "--quiet", "rules")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    planned = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, re.M))
+    assert sum(int(n) for rule, n in planned.items() if rule.startswith("train_")) == 2  # 4 new runs, 2 per job
+    assert sum(int(n) for rule, n in planned.items() if rule.startswith("evaluate_")) == 3  # 8 new evaluations
+    before = os.times()
+    failing = finish_study(directory, grown, profile)
+    cpu = sum(os.times()[2:4]) - sum(before[2:4])
+    assert failing.returncode != 0
+    assert all(snapshot(results)[path] == seen for path, seen in kept.items())
+    assert [(results / "runs" / run / COMPLETE).exists() for run in GROWN] == [True, True, False, True]
+    shown = subprocess.run([sys.executable, "-m", "sweep", "status", "--configfile", str(grown)], cwd=directory,
+                           capture_output=True, text=True)
+    assert "8 points: 7 done, 1 failed, 0 running, 0 pending" in shown.stdout, shown.stdout + shown.stderr
+    failed_line = next(line for line in shown.stdout.splitlines() if line.startswith("  failed"))
+    log = results / "runs" / GROWN[2] / "train.log"
+    assert GROWN[2] in failed_line and f"log: {log.relative_to(directory)}" in failed_line
+    assert "not finite" in log.read_text()
+
+    kept = snapshot(results)
+    fixed = finish_study(directory, grown, profile, "--config", "rerun=failed")
+    assert fixed.returncode == 0, fixed.stderr[-5000:]
+    assert f"klstudy rerun: 1 point(s) discarded, to run again from scratch: {GROWN[2]}" in fixed.stderr
+    assert all(snapshot(results)[path] == seen for path, seen in kept.items())
+    assert attempts(results, GROWN[2]) == 1  # a new run directory, trained from scratch once
+    assert [m["step"] for m in read_metrics(results / "runs" / GROWN[2] / "metrics.jsonl")] == list(range(6))
+    assert len(re.findall(r"^(?:local)?rule train_\w+:", fixed.stderr, re.M)) == 1
+    table = (results / "tables" / "results.md").read_text()
+    assert table != uninterrupted and "k3-loss" in table
+    print(f"\nadding a seed: {sum(int(n) for r, n in planned.items() if r.startswith(('train_', 'evaluate_')))} "
+          f"train and evaluate jobs planned, {cpu:.0f} CPU-seconds")
+
+
+@pytest.mark.slow
+def test_the_study_killed_three_times_grown_and_repaired_locally(tmp_path, uninterrupted):
+    grow_and_heal(tmp_path, [*LOCAL], uninterrupted)
+
+
+@pytest.mark.slow
+def test_the_study_killed_three_times_grown_and_repaired_on_slurm(tmp_path, uninterrupted):
+    if not cluster_up():
+        if os.environ.get("KLSTUDY_REQUIRE_SLURM") == "1":
+            pytest.fail("no SLURM cluster: run profiles/slurm/local-cluster.sh up")
+        pytest.skip("no SLURM cluster (profiles/slurm/local-cluster.sh up starts one)")
+    grow_and_heal(tmp_path, SLURM, uninterrupted)
