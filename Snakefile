@@ -78,11 +78,6 @@ if MAIN and workflow.output_settings.dryrun:
 
 onstart:
     study_lock.claim(sys.argv)
-    # A job of several runs or evaluations that fails must not lose the ones it finished: Snakemake would
-    # delete a failed job's outputs ("they might be corrupted"), and the runs whose COMPLETE it deleted
-    # would be trained again. Each output here is written last and atomically, so one that exists is
-    # whole: keep them (--keep-incomplete, which Snakemake also hands to every job it submits from here on).
-    workflow.execution_settings.keep_incomplete = True
     open_live_tracking()  # workflow/rules/train.smk
 
 

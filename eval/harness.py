@@ -182,7 +182,6 @@ def evaluate(settings: EvalSettings, out_dir: Path) -> dict[str, Any]:
         apply_chat_template=settings.chat_template, random_seed=settings.seed, numpy_random_seed=settings.seed,
         torch_random_seed=settings.seed)
     metrics = _metrics(settings, result)
-    _write_atomic(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str) + "\n")
     lines = []
     for task in settings.tasks:
         for sample in result["samples"].get(task, []):
@@ -194,6 +193,8 @@ def evaluate(settings: EvalSettings, out_dir: Path) -> dict[str, Any]:
                 "responses": responses, "pass_at_1": sample.get("pass_at_1"), "pass_at_k": sample.get("pass_at_k"),
             }, default=str))
     _write_atomic(out_dir / "samples.jsonl", "".join(line + "\n" for line in lines))
+    # last: an evaluation with its metrics.json is finished, and a study never runs it again
+    _write_atomic(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str) + "\n")
     log.info("evaluation written to %s", out_dir)
     return metrics
 

@@ -2,15 +2,17 @@
 
 The run directories say what is finished: a run with COMPLETE (the trainer writes it last), an
 evaluation with its metrics.json (written last, atomically). The Snakefile gives Snakemake rules for
-pending work only. A finished run or evaluation is a plain file to Snakemake, never the output of a
-job, so no job reopens or rewrites it and nothing downstream of it is redone, whatever was killed
-and whenever: Snakemake's incomplete-job bookkeeping and which job happened to produce the file no
-longer matter.
+pending work only. Snakemake sees each run and evaluation through a file of its own,
+`<results>/.jobs/<rule>/<run or evaluation>.done`: a job writes them when it succeeds, and the main
+process keeps them in step with the run directories before it plans (one for every finished run and
+evaluation, none for the others). So Snakemake never deletes, touches or marks as incomplete what the
+trainer and the evaluation wrote, a finished run or evaluation is a plain input to what follows it,
+and no job reopens or rewrites it, whatever was killed and whenever.
 
 Bundles (`bundle.train`, `bundle.evaluate` in the study config) group pending work of one model (and,
 for evaluations, one suite) into jobs. A bundle is recorded when it is first planned
-(`<results>/.bundles/<rule>/<key>.json`, the key a digest of its members) and keeps its name while it
-has pending members, so that
+(`<results>/.jobs/<rule>/<key>.json`, the key a digest of its members) and keeps its name while it has
+pending members, so that
 - a job started on a compute node, which reads the Snakefile again, finds the very bundle it was
   submitted for (the main process's record, not a new plan from a later state of the results);
 - a SLURM job that outlived the Snakemake that submitted it is recognized by the next one, which
@@ -18,7 +20,8 @@ has pending members, so that
 
 A bundle's job covers the members still pending when it is planned or started. Pending points that
 no recorded bundle holds (new seeds, a new beta, a point discarded for a rerun) form new bundles, in
-grid order. Only the main Snakemake process records and forgets bundles, and never in a dry run.
+grid order. Only the main Snakemake process records and forgets bundles (never in a dry run) and
+writes `.done` files itself.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from trainer.run_files import COMPLETE
 
 log = logging.getLogger(__name__)
 
-LEDGER = ".bundles"
+JOBS = ".jobs"
 METRICS_JSON = "metrics.json"
 
 
@@ -79,10 +82,20 @@ class Bundle:
 class Work:
     """What the study still has to do: pending runs and evaluations, in grid order, and their jobs."""
 
+    root: Path                   # <results>/.jobs
     runs: list[str]
     evaluations: list[EvalTarget]
     train_bundles: list[Bundle]
     evaluate_bundles: list[Bundle]
+
+    def done(self, rule: str, item: str) -> Path:
+        """Snakemake's file for a run (rule train) or an evaluation (evaluate, by its key): present when it
+        is finished."""
+        return done_file(self.root, rule, item)
+
+
+def done_file(root: Path, rule: str, item: str) -> Path:
+    return root / rule / f"{item}.done"
 
 
 def run_finished(study: Study, run_id: str) -> bool:
@@ -100,11 +113,12 @@ def evaluations(study: Study) -> list[EvalTarget]:
 
 
 def plan(study: Study, record: bool) -> Work:
-    """The study's pending work and its jobs. `record`: write new bundles and forget those with nothing
-    left to do (the main Snakemake process, not a dry run); else only recorded bundles are kept and new
-    ones are planned without a trace."""
+    """The study's pending work and its jobs, for the main Snakemake process. `record`: write new bundles
+    and forget those with nothing left to do (not in a dry run); else only recorded bundles are kept and
+    new ones are planned without a trace."""
     runs, evals, train_group, eval_group = _pending(study)
-    return Work(runs, evals, _bundles(study, "train", runs, train_group, record),
+    _mirror(study, set(runs), {target.key for target in evals}, forget_pending=record)
+    return Work(study.results / JOBS, runs, evals, _bundles(study, "train", runs, train_group, record),
                 _bundles(study, "evaluate", [t.key for t in evals], eval_group, record))
 
 
@@ -112,8 +126,35 @@ def recorded(study: Study) -> Work:
     """The main process's plan as recorded, for a job started on a compute node: every recorded bundle,
     with the members still pending now, and nothing new."""
     runs, evals, train_group, eval_group = _pending(study)
-    return Work(runs, evals, _recorded(study, "train", runs, train_group),
+    return Work(study.results / JOBS, runs, evals, _recorded(study, "train", runs, train_group),
                 _recorded(study, "evaluate", [t.key for t in evals], eval_group))
+
+
+def _mirror(study: Study, runs: set[str], evals: set[str], forget_pending: bool) -> None:
+    """The `.done` files in step with the run directories: one for each finished run and evaluation (a job
+    killed after finishing some of them wrote none; a dry run needs them too), and, with
+    `forget_pending` (only where no other Snakemake can run), none for the pending ones (a point
+    discarded, or a run directory deleted by hand)."""
+    root = study.results / JOBS
+    items = [("train", run.run_id, run.run_id in runs) for run in study.runs]
+    items += [("evaluate", target.key, target.key in evals) for target in evaluations(study)]
+    for rule, item, pending in items:
+        path = done_file(root, rule, item)
+        if pending:
+            if forget_pending:
+                path.unlink(missing_ok=True)
+        elif not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+
+
+def forget(study: Study, run_id: str) -> None:
+    """Remove a run's and its evaluations' `.done` files (the run is to be trained again from scratch)."""
+    root = study.results / JOBS
+    done_file(root, "train", run_id).unlink(missing_ok=True)
+    for target in evaluations(study):
+        if target.run == run_id:
+            done_file(root, "evaluate", target.key).unlink(missing_ok=True)
 
 
 def _pending(study: Study):
@@ -127,7 +168,7 @@ def _pending(study: Study):
 
 
 def ledger(study: Study, rule: str) -> Path:
-    return study.results / LEDGER / rule
+    return study.results / JOBS / rule
 
 
 def _read(path: Path) -> list[str] | None:

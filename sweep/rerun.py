@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sweep import sync_records
+from sweep import jobs, sync_records
 from sweep.checks import StudyError
 from sweep.grid import Study
 from trainer.lease import current_holder, describe, seems_alive
@@ -73,5 +73,6 @@ def discard(study: Study, which: Any, dry_run: bool = False) -> list[str]:
                 shutil.move(source, bin_ / kind / run_id)
         for key, run_ids in children.items():
             sync_records.retire(sync_records.records_dir(run_dir, key), run_ids)
+        jobs.forget(study, run_id)
         log.info("rerun: %s discarded (its outputs are in %s)", run_id, bin_)
     return ids

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_slurm import SLURM, cluster_up
-from test_workflow import LOCAL, REDUCED, SNAKEMAKE, write_config
+from test_workflow import LOCAL, SNAKEMAKE, write_config
 
 from sweep import jobs, rerun, status
 from sweep.checks import StudyError
@@ -31,9 +31,14 @@ from trainer.run_files import COMPLETE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The reduced toy study in jobs of two runs and of three evaluations: four runs of six steps, each
-# evaluated at step 3 and at the end.
-HEALING = {**json.loads(json.dumps(REDUCED)), "study": "toy-heal", "bundle": {"train": 2, "evaluate": 3}}
+# The quick toy study (jobs of two runs and of three evaluations) with runs of twelve steps of 32 prompts
+# x 8, each evaluated at step 6 and at the end: long enough for Snakemake to be killed at the moments it
+# must be, also while SLURM runs its jobs on.
+QUICK = yaml.safe_load((REPO / "workflow" / "config" / "toy_quick.yaml").read_text())
+HEALING = {**QUICK, "study": "toy-heal", "results": "results", "run": {**QUICK["run"], "train": {
+    **QUICK["run"]["train"], "steps": 12, "prompts_per_step": 32, "group_size": 8}},
+    "evaluate": {**QUICK["evaluate"], "every": 6}}
+STEPS = 12
 RUNS = ["toy-sft__k1-reward__b0.1__s0", "toy-sft__k3-reward__b0.1__s0", "toy-sft__k3-loss__b0.1__s0",
         "toy-sft__none__s0"]
 GROWN = [name.replace("__s0", "__s1") for name in RUNS]
@@ -46,12 +51,12 @@ def study_of(config: dict, results: Path):
 # --- synthetic run directories (no model, no Snakemake) ------------------------------------------
 
 
-def finish(results: Path, run: str, evals: tuple[str, ...] = ("toy", "step_3/toy")) -> None:
+def finish(results: Path, run: str, evals: tuple[str, ...] = ("toy", "step_6/toy")) -> None:
     """A run directory as the trainer leaves a finished run, and its evaluations."""
     directory = results / "runs" / run
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(6)))
-    (directory / COMPLETE).write_text(json.dumps({"steps": 6}) + "\n")
+    (directory / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(STEPS)))
+    (directory / COMPLETE).write_text(json.dumps({"steps": STEPS}) + "\n")
     for where in evals:
         (results / "eval" / run / where).mkdir(parents=True, exist_ok=True)
         (results / "eval" / run / where / "metrics.json").write_text("{}\n")
@@ -68,6 +73,9 @@ def test_only_pending_work_is_planned_and_a_bundle_keeps_its_name_while_it_has_w
     finish(tmp_path, RUNS[0])  # a job was killed after its first run finished
     again = jobs.plan(study, record=True)
     assert again.runs == RUNS[1:]
+    # Snakemake sees the finished run through a file of its own, none for the others
+    assert [again.done("train", run).exists() for run in RUNS] == [True, False, False, False]
+    assert again.done("evaluate", f"{RUNS[0]}/step_6/toy").exists()
     assert [(b.name, b.pending) for b in again.train_bundles] == [
         (first.train_bundles[0].name, (RUNS[1],)), (first.train_bundles[1].name, tuple(RUNS[2:]))]
     # a job started on a compute node reads the same jobs back, whatever it plans itself
@@ -123,6 +131,7 @@ def test_rerun_moves_the_chosen_points_aside_and_refuses_what_it_cannot_do(tmp_p
     assert (moved / "runs" / RUNS[0] / COMPLETE).is_file() and (moved / "eval" / RUNS[0] / "toy").is_dir()
     assert not (tmp_path / "eval" / RUNS[0]).exists()
     assert json.loads((child / "retired.json").read_text()) == ["old-child"]  # the next sync deletes it
+    assert not jobs.plan(study, record=False).done("train", RUNS[0]).exists()
     assert jobs.plan(study, record=False).runs == [RUNS[0], RUNS[3]]
     assert rerun.chosen(study, "failed") == []
 
@@ -175,16 +184,22 @@ def test_a_run_directory_trained_with_another_config_stops_the_study_with_the_fi
 
 
 def snapshot(results: Path) -> dict[str, tuple[str, int]]:
-    """Every file of the finished runs and evaluations (their sync records apart): digest and mtime."""
+    """Every file of the finished runs and evaluations: digest and mtime. Their MLflow sync records apart,
+    and a lease (the trainer that wrote COMPLETE drops it as it exits)."""
     roots = [p.parent for p in (results / "runs").glob(f"*/{COMPLETE}")]
     roots += [p.parent for p in (results / "eval").rglob("metrics.json")]
     files = {}
     for root in roots:
         for path in root.rglob("*"):
-            if path.is_file() and ".mlflow" not in path.parts:
+            if path.is_file() and ".mlflow" not in path.parts and not path.name.startswith("lease."):
                 files[str(path.relative_to(results))] = (hashlib.sha256(path.read_bytes()).hexdigest(),
                                                         path.stat().st_mtime_ns)
     return files
+
+
+def changed(results: Path, kept: dict[str, tuple[str, int]]) -> list[str]:
+    now = snapshot(results)
+    return [path for path, seen in kept.items() if now.get(path) != seen]
 
 
 def start(directory: Path, config: Path, profile: list[str], log: str, *extra: str) -> subprocess.Popen:
@@ -193,11 +208,14 @@ def start(directory: Path, config: Path, profile: list[str], log: str, *extra: s
                             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def kill_when(process: subprocess.Popen, ready, log: Path, timeout: float = 600) -> None:
-    """SIGKILL Snakemake's process group (locally its jobs too; on SLURM they go on) once `ready()`."""
-    deadline = time.monotonic() + timeout
-    while not ready():
+def kill_when(process: subprocess.Popen, ready, progress, log: Path, timeout: float = 600) -> None:
+    """SIGKILL Snakemake's process group (locally its jobs too; on SLURM they go on) once it has started (or
+    followed) its jobs and then `ready(progress at that moment)`."""
+    deadline, since = time.monotonic() + timeout, None
+    while since is None or not ready(since):
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        if since is None and "Select jobs to execute" in log.read_text():
+            since = progress()
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=60)
@@ -240,31 +258,39 @@ def grow_and_heal(directory: Path, profile: list[str], uninterrupted: str) -> No
     runs = [results / "runs" / name for name in RUNS]
     kept: dict[str, tuple[str, int]] = {}
 
-    def mid_bundle():
-        return any((r / "checkpoints" / "step_3").is_dir() for r in runs) and not any((r / COMPLETE).exists()
-                                                                                       for r in runs)
+    def finished() -> int:
+        return sum((r / COMPLETE).exists() for r in runs)
 
-    def some_finished():
-        return 0 < sum((r / COMPLETE).exists() for r in runs) < len(runs)
+    def evaluated() -> int:
+        return len(list((results / "eval").rglob("metrics.json")))
 
-    def evaluating():
-        return 0 < len(list((results / "eval").rglob("metrics.json"))) < 2 * len(RUNS)
+    def mid_bundle(before):  # a run mid-way, none finished
+        return any((r / "checkpoints" / "step_3").is_dir() for r in runs) and not finished()
+
+    def some_finished(before):  # a run finished while this Snakemake ran, another not yet
+        return before[0] < finished() < len(runs)
+
+    def evaluating(before):  # an evaluation job has started, and some evaluations are still to do
+        return any((results / "logs" / "evaluate").glob("*.log")) and evaluated() < 2 * len(RUNS)
 
     for number, moment in enumerate((mid_bundle, some_finished, evaluating)):
         log = f"killed-{number}.log"
-        kill_when(start(directory, config, profile, log), moment, directory / log)
+        kill_when(start(directory, config, profile, log), moment, lambda: (finished(), evaluated()), directory / log)
         kept |= {path: seen for path, seen in snapshot(results).items() if path not in kept}
     healed = finish_study(directory, config, profile)
     assert healed.returncode == 0, healed.stderr[-5000:]
-    assert kept and all(snapshot(results)[path] == seen for path, seen in kept.items())  # bytes and mtimes
+    if profile == SLURM:  # the jobs of a killed Snakemake were followed by the next, not submitted again
+        logs = "".join((directory / f"killed-{n}.log").read_text() for n in (1, 2)) + healed.stderr
+        assert re.search(r"SLURM job \S+ \(train_\w+\) of an earlier run of this study still runs: followed", logs)
+    assert kept and not changed(results, kept)  # bytes and mtimes
     for run in RUNS:
-        assert [m["step"] for m in read_metrics(results / "runs" / run / "metrics.jsonl")] == list(range(6))
+        assert [m["step"] for m in read_metrics(results / "runs" / run / "metrics.jsonl")] == list(range(STEPS))
     assert (results / "tables" / "results.md").read_text() == uninterrupted
     assert "Nothing to be done" in finish_study(directory, config, profile, "-n").stdout
 
     # Two more seeds' worth of points, one of which will fail: a checkpoint of NaN weights to resume from.
     grown = write_config(directory, {**HEALING, "grid": {**HEALING["grid"], "seeds": [0, 1]}})
-    poison(results / "runs" / RUNS[2] / "checkpoints" / "step_3", results / "runs" / GROWN[2])
+    poison(results / "runs" / RUNS[2] / "checkpoints" / "step_6", results / "runs" / GROWN[2])
     kept = snapshot(results)
     dry = finish_study(directory, grown, profile, "-n", "--quiet", "rules")
     assert dry.returncode == 0, dry.stderr[-3000:]
@@ -273,9 +299,9 @@ def grow_and_heal(directory: Path, profile: list[str], uninterrupted: str) -> No
     assert sum(int(n) for rule, n in planned.items() if rule.startswith("evaluate_")) == 3  # 8 new evaluations
     before = os.times()
     failing = finish_study(directory, grown, profile)
-    cpu = sum(os.times()[2:4]) - sum(before[2:4])
+    cpu = sum(os.times()[2:4]) - sum(before[2:4])  # locally: the jobs' too; on SLURM, Snakemake's alone
     assert failing.returncode != 0
-    assert all(snapshot(results)[path] == seen for path, seen in kept.items())
+    assert not changed(results, kept)
     assert [(results / "runs" / run / COMPLETE).exists() for run in GROWN] == [True, True, False, True]
     shown = subprocess.run([sys.executable, "-m", "sweep", "status", "--configfile", str(grown)], cwd=directory,
                            capture_output=True, text=True)
@@ -289,9 +315,9 @@ def grow_and_heal(directory: Path, profile: list[str], uninterrupted: str) -> No
     fixed = finish_study(directory, grown, profile, "--config", "rerun=failed")
     assert fixed.returncode == 0, fixed.stderr[-5000:]
     assert f"klstudy rerun: 1 point(s) discarded, to run again from scratch: {GROWN[2]}" in fixed.stderr
-    assert all(snapshot(results)[path] == seen for path, seen in kept.items())
+    assert not changed(results, kept)
     assert attempts(results, GROWN[2]) == 1  # a new run directory, trained from scratch once
-    assert [m["step"] for m in read_metrics(results / "runs" / GROWN[2] / "metrics.jsonl")] == list(range(6))
+    assert [m["step"] for m in read_metrics(results / "runs" / GROWN[2] / "metrics.jsonl")] == list(range(STEPS))
     assert len(re.findall(r"^(?:local)?rule train_\w+:", fixed.stderr, re.M)) == 1
     table = (results / "tables" / "results.md").read_text()
     assert table != uninterrupted and "k3-loss" in table

@@ -761,9 +761,14 @@ class Run:
         if main:
             self.lease.check()
             save_pretrained_atomic(self.out / "final", self.lm, self.tokenizer, state_dict=weights)
-            (self.out / COMPLETE).write_text(json.dumps({"steps": self.step, "finished": time.time()}) + "\n")
-            log.info("run complete: %s", self.out)
+            log.info("run complete: %s (final model written)", self.out)
         self.world.barrier()
+
+    def mark_complete(self) -> None:
+        """COMPLETE, the run directory's last write (after its log is closed): from now on nothing opens it."""
+        if self.world.main:
+            self.lease.check()
+            (self.out / COMPLETE).write_text(json.dumps({"steps": self.step, "finished": time.time()}) + "\n")
 
     def _stopping(self, sigterm: _SigtermFlag) -> bool:
         """Whether SIGTERM reached any process: all of them must checkpoint and stop together."""
@@ -782,32 +787,39 @@ def train(config: RunConfig, out_dir: Path) -> int:
         return 0
     with _SigtermFlag() as sigterm:  # from the start: a SIGTERM during loading also ends in a clean exit
         world = World.from_environment(config.model.device)
-        run = None
-        with _run_log(out_dir, world.main):
-            try:
-                run = Run(config, out_dir, world)
-                run.train(sigterm)
-            except Preempted:
-                log.warning("preempted at step %d; checkpoint written, exiting with %d", run.step, EXIT_PREEMPTED)
-                return EXIT_PREEMPTED
-            except (LeaseHeld, LeaseLost):
-                raise  # the directory is another trainer's
-            except Exception as error:
-                step = run.step if run is not None else None
-                if isinstance(error, (ValueError, TrainingError)):
-                    log.error("the run failed at step %s: %s", step, error)
-                    reason = str(error)
-                else:  # a bug or a broken machine: the traceback goes into the run's log
-                    log.exception("the run failed at step %s", step)
-                    reason = f"{type(error).__name__}: {error}"
-                if world.main:
-                    record_failure(out_dir, reason, step)
-                raise
-            finally:
-                if run is not None:
-                    run.engine.close()  # before the process group goes: vLLM tears down its groups in it
-                    run.release()
-                world.close()
+        run, trained = None, False
+        try:
+            with _run_log(out_dir, world.main):
+                try:
+                    run = Run(config, out_dir, world)
+                    run.train(sigterm)
+                    trained = True
+                except Preempted:
+                    log.warning("preempted at step %d; checkpoint written, exiting with %d", run.step,
+                                EXIT_PREEMPTED)
+                    return EXIT_PREEMPTED
+                except (LeaseHeld, LeaseLost):
+                    raise  # the directory is another trainer's
+                except Exception as error:
+                    step = run.step if run is not None else None
+                    if isinstance(error, (ValueError, TrainingError)):
+                        log.error("the run failed at step %s: %s", step, error)
+                        reason = str(error)
+                    else:  # a bug or a broken machine: the traceback goes into the run's log
+                        log.exception("the run failed at step %s", step)
+                        reason = f"{type(error).__name__}: {error}"
+                    if world.main:
+                        record_failure(out_dir, reason, step)
+                    raise
+                finally:
+                    if run is not None:
+                        run.engine.close()  # before the process group goes: vLLM tears down its groups in it
+            if trained:
+                run.mark_complete()
+        finally:
+            if run is not None:
+                run.release()
+            world.close()
     return 0
 
 

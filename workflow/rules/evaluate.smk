@@ -2,7 +2,8 @@
 # N-th checkpoint too), through lm-eval with the same verifier as the training rewards. One job per
 # pending evaluation, or `bundle.evaluate` pending evaluations of one model and suite per job (one
 # `python -m eval run` process with a --model/--out/--seed per evaluation). A finished evaluation (its
-# metrics.json, written last) is in no job (sweep.jobs).
+# metrics.json, written last) is in no job; Snakemake sees each evaluation through its `.done` file
+# (sweep.jobs), which the job writes when it succeeds.
 
 
 def _eval_args(run):
@@ -33,8 +34,8 @@ def run_of_evaluation(wildcards):
 
 
 def all_evaluations():
-    """Every metrics.json the study asks for."""
-    return [RESULTS / "eval" / target.key / "metrics.json" for target in jobs.evaluations(STUDY)]
+    """The `.done` file of every evaluation the study asks for."""
+    return [WORK.done("evaluate", target.key) for target in jobs.evaluations(STUDY)]
 
 
 if STUDY.bundle["evaluate"] == 1:
@@ -42,12 +43,12 @@ if STUDY.bundle["evaluate"] == 1:
     rule evaluate:
         """One evaluation, named by its directory under results/eval (<run>/<suite>, <run>/step_<N>/<suite>)."""
         input:
-            complete=lambda wc: RESULTS / "runs" / PENDING_EVALS[wc.evaluation].run / "COMPLETE",
+            trained=lambda wc: WORK.done("train", PENDING_EVALS[wc.evaluation].run),
             data=EVAL_DATA,
         output:
-            RESULTS / "eval" / "{evaluation}" / "metrics.json",
+            WORK.done("evaluate", "{evaluation}"),
         wildcard_constraints:
-            evaluation=jobs.only(list(PENDING_EVALS)),  # a finished evaluation is a plain file, in no job
+            evaluation=jobs.only(list(PENDING_EVALS)),  # a finished evaluation is in no job
         params:
             model=lambda wc: evaluated_model(PENDING_EVALS[wc.evaluation]),
             out=f"{RESULTS}/eval/{{evaluation}}",  # a string: Snakemake fills wildcards into strings only
@@ -61,7 +62,7 @@ if STUDY.bundle["evaluate"] == 1:
             **rule_resources("evaluate", per_model=True, run_of=run_of_evaluation),
         shell:
             "{PY} -m eval run --model {params.model} --suite {params.suite} --out {params.out} {params.args:q}"
-            " > {log} 2>&1"
+            " > {log} 2>&1 && touch {output}"
 
 else:
     for bundle in WORK.evaluate_bundles:  # pending evaluations only, in recorded bundles (sweep.jobs)
@@ -72,10 +73,10 @@ else:
             name:
                 bundle.name
             input:
-                complete=sorted({RESULTS / "runs" / target.run / "COMPLETE" for target in members}),
+                trained=sorted({WORK.done("train", target.run) for target in members}),
                 data=EVAL_DATA,
             output:
-                [RESULTS / "eval" / target.key / "metrics.json" for target in members],
+                [WORK.done("evaluate", target.key) for target in members],
             params:
                 each=[f"--{flag}={value}" for target in members for flag, value in (
                     ("model", evaluated_model(target)), ("out", RESULTS / "eval" / target.key),
@@ -88,4 +89,4 @@ else:
             resources:
                 **model_resources("evaluate", first.model),
             shell:
-                "{PY} -m eval run --suite {params.suite} {params.each:q} {params.args:q} > {log} 2>&1"
+                "{PY} -m eval run --suite {params.suite} {params.each:q} {params.args:q} > {log} 2>&1 && touch {output}"

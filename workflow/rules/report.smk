@@ -8,7 +8,7 @@ def _uri_args():
 
 rule track:
     input:
-        runs=[RESULTS / "runs" / run / "COMPLETE" for run in RUN_IDS],
+        runs=[WORK.done("train", run) for run in RUN_IDS],
         evals=all_evaluations(),
     output:
         RESULTS / "tracking" / f"{STUDY.name}.json",

@@ -2,9 +2,10 @@
 # another in one process: `python -m trainer train-runs`). The run directory is the state (sweep.jobs): a
 # finished run (COMPLETE, which the trainer writes last) is in no job, so nothing reopens it; an interrupted
 # one resumes from its newest valid checkpoint; a failed one records why (FAILED) without stopping the
-# others of its job. With live tracking (below), a follower streams the job's runs' metrics to the tracking
-# server while they train. A job with several GPUs runs the trainer under `accelerate launch`, one process
-# per GPU (trainer.launch).
+# others of its job. Snakemake sees a run through its `.done` file (sweep.jobs), which the job writes when
+# it succeeds: Snakemake never deletes or touches a run's own files. With live tracking (below), a follower streams the
+# job's runs' metrics to the tracking server while they train. A job with several GPUs runs the trainer
+# under `accelerate launch`, one process per GPU (trainer.launch).
 
 
 import os
@@ -67,9 +68,9 @@ if STUDY.bundle["train"] == 1:
         input:
             model=lambda wc: MODEL_READY[wc.run],
         output:
-            RESULTS / "runs" / "{run}" / "COMPLETE",
+            WORK.done("train", "{run}"),
         wildcard_constraints:
-            run=jobs.only(WORK.runs),  # a finished run is a plain file: no job of this rule reopens it
+            run=jobs.only(WORK.runs),  # a finished run is in no job
         params:
             out=f"{RESULTS}/runs/{{run}}",  # a string: Snakemake fills wildcards into strings only
             follow=f"{RESULTS}/runs/{{run}}",
@@ -85,7 +86,7 @@ if STUDY.bundle["train"] == 1:
             **rule_resources("train", per_model=True),
         shell:
             follower()[0] + "        {params.launcher} train --out {params.out} {params.overrides:q} > {log.train} 2>&1\n"
-            + follower()[1]
+            + follower()[1] + "        touch {output}\n"
 
 else:
     for bundle in WORK.train_bundles:  # pending runs only, in recorded bundles (sweep.jobs)
@@ -98,7 +99,7 @@ else:
             input:
                 model=MODEL_READY[runs[0]],
             output:
-                [RESULTS / "runs" / run / "COMPLETE" for run in runs],
+                [WORK.done("train", run) for run in runs],
             params:
                 plan=json.dumps({f"{RESULTS}/runs/{run}": OVERRIDES[run] for run in runs}),
                 follow=f"{RESULTS}/runs/{runs[-1]}",
@@ -114,4 +115,4 @@ else:
             shell:
                 follower(" ".join(shlex.quote(f"{RESULTS}/runs/{run}") for run in runs))[0]
                 + "        {params.launcher} train-runs --plan {params.plan:q} > {log.train} 2>&1\n"
-                + follower()[1]
+                + follower()[1] + "        touch {output}\n"
