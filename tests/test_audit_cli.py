@@ -23,9 +23,9 @@ def test_audit_prints_the_table_and_writes_csv_json_markdown(tmp_path):
     assert "per-prefix forward (agrees)" in result.stdout
     assert "DISAGREES" not in result.stdout
     rows = list(csv.DictReader((tmp_path / "gradient_audit.csv").open()))
-    # per estimator (k1, k2, k3, k3+, full) and placement with a KL term (the three in the reward alone
-    # and the three with a loss): on-policy 3 + 3 x 2; off-policy 3 + 3 x 3; sequence 6
-    assert len(rows) == 5 * (9 + 12 + 6)
+    # per estimator (k1, k2, k3, k3+, full) and placement with a KL term (the four in the reward alone
+    # and the three with a loss): on-policy 4 + 3 x 2; off-policy 4 + 3 x 3; sequence 7
+    assert len(rows) == 5 * (10 + 13 + 7)
     assert "| on-policy | k1 | reward-to-go | - | token |" in result.stdout
     assert "| entropy bonus | entropy_coef 0.1 | on-policy |" in result.stdout  # the peers' settings, below
     assert (tmp_path / "peers_audit.csv").is_file() and (tmp_path / "peers_audit.md").is_file()
@@ -81,11 +81,20 @@ def test_audit_presets_explains_each_librarys_default(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = {r["preset"]: r for r in csv.DictReader((tmp_path / "presets_audit.csv").open())}
     assert set(rows) == set(presets.NAMES) and (tmp_path / "presets_audit.md").is_file()
-    assert {name for name, r in rows.items() if r["on_policy"] == "unbiased"} == {"verl-reward", "openrlhf",
-                                                                                  "trl-rloo"}
-    assert {r["on_policy"] for name, r in rows.items() if r["placement"] == "loss"} == {"per-prefix forward",
-                                                                                        "per-prefix reverse"}
+    # whitened with the return, verl's and OpenRLHF's reward KL no longer follow grad KL; TRL's RLOO does
+    assert {name for name, r in rows.items() if r["on_policy"] == "unbiased"} == {"trl-rloo"}
+    assert {name for name, r in rows.items() if r["objective_on"] == "exact"} == {
+        "trl-rloo", "paper-k1-reward", "paper-k1-reward-reset50"}
+    assert {rows[name]["objective_on"] for name in ("verl-reward", "openrlhf", "nemo-rl-reward")} == {"biased"}
+    assert {r["on_policy"] for name, r in rows.items() if r["placement"] == "loss"} == {
+        "per-prefix forward", "per-prefix reverse", "scaled per-prefix forward", "zero"}
+    assert rows["skyrl"]["on_policy"] == "scaled per-prefix forward"  # per response: 1 / T of it, T = 2
+    assert rows["paper-k1-reward"]["on_policy"] == "scaled"           # (G - 1) / G grad KL
     assert rows["slime-grpo-reward-kl"]["on_policy"] == "zero"
     assert all(r["off_policy"] != "unbiased" for r in rows.values())  # token ratios: none of them off-policy
-    assert "| trl-rloo | TRL RLOOTrainer | 0.05 | k1 | reward |" in result.stdout
-    assert "huggingface/trl@f2cd5771" in result.stdout
+    assert "| trl-rloo | TRL RLOOTrainer | 0.05 | rloo | k1 | reward |" in result.stdout
+    assert "huggingface/trl@f2cd5771" in result.stdout and "bbartoldson/tba-prime@59c2f8ae" in result.stdout
+    whitening = {(r["advantage"], r["placement"]): r for r in csv.DictReader((tmp_path / "whitening_audit.csv").open())}
+    assert "| reinforce-whiten | k1 | reward-to-go |" in result.stdout
+    assert whitening["reinforce", "reward-to-go"]["verdict"] == "exact"
+    assert {r["verdict"] for (a, _), r in whitening.items() if "whiten" in a} == {"biased"}

@@ -124,13 +124,18 @@ def test_bad_include_and_exclude_axis_keys_name_the_entry():
 
 
 def test_the_off_policy_studies_grids():
-    """toy_offpolicy: k1, k3 x reward, loss x async 0, 8 x ratio none, detached (not on-policy, where it
-    is exactly 1) and the baseline at both async levels, 3 seeds; paper_offpolicy: the ratio doubles
-    the loss placements and keeps the 10 ids it had before axes existed."""
+    """toy_offpolicy: the Comedy paper's seven off-policy objectives (presets paper-*) x async 0, 10, but IcePop
+    on-policy (where it is paper-grpo bit for bit), 3 seeds; paper_offpolicy: the seven on both of the paper's
+    models, each with its task and steps, at async level 10."""
     toy = [run.run_id for run in load_study(study_config("toy_offpolicy")).runs]
-    assert len(toy) == 36 and len([i for i in toy if i.endswith("__s0")]) == 12
-    assert "toy-sft__k1-loss__b0.1__ratio-detached__async8__s2" in toy and "toy-sft__none__async8__s1" in toy
-    assert not any("ratio-detached" in i and "async8" not in i for i in toy)
-    paper = [run.run_id for run in load_study(study_config("paper_offpolicy")).runs]
-    assert len(paper) == 16 and len([i for i in paper if "ratio-detached" not in i]) == 10
-    assert "Qwen2.5-7B__k3-reward+loss__b0.005__ratio-detached__s0" in paper
+    assert len(toy) == (7 * 2 - 1) * 3 and len([i for i in toy if i.endswith("__s0")]) == 13
+    assert "toy-sft__k1-reward-centred__b0.1__preset-paper-k1-reward__async10__s2" in toy
+    assert "toy-sft__none__preset-paper-grpo__async10__s1" in toy and "toy-sft__none__preset-paper-grpo__s1" in toy
+    assert not any("paper-icepop" in i and "async10" not in i for i in toy)
+    runs = load_study(study_config("paper_offpolicy")).runs
+    assert len(runs) == 2 * 7 and {run.config["train"]["async_level"] for run in runs} == {10}
+    steps = {run.run_id.split("__")[0]: (run.config["task"]["name"], run.config["train"]["steps"]) for run in runs}
+    assert steps == {"Qwen2.5-7B": ("math", 420), "Qwen3-4B-Instruct-2507": ("countdown", 520)}
+    assert "Qwen2.5-7B__k1-reward-centred__b0.005__preset-paper-k1-reward-reset50__s0" in [r.run_id for r in runs]
+
+

@@ -336,13 +336,13 @@ def test_prefix_probabilities_sum_to_one_per_depth():
 
 
 def test_a_new_estimator_is_one_registration_that_the_config_the_trainer_and_the_audit_pick_up(monkeypatch):
-    """Registering an estimator (here k1 scaled by 2, with its theory: twice grad KL is no target) makes it
+    """Registering an estimator (here k1 scaled by 2, with its theory: twice grad KL, grad KL scaled) makes it
     a valid config choice, a loss the trainer computes, and audit rows whose verdicts are checked
     against the registered theory."""
     monkeypatch.setattr(estimators.REGISTRY, "_specs", dict(estimators.REGISTRY._specs))  # undone after the test
     estimators.REGISTRY.register(estimators.Estimator(
         "k1x2", "2 l", formula=lambda lr, bound: 2 * lr,
-        theory={("reward", "none"): "biased", ("loss", "none"): "zero", ("reward+loss", "none"): "biased"}))
+        theory={("reward", "none"): "scaled", ("loss", "none"): "zero", ("reward+loss", "none"): "scaled"}))
     config = ObjectiveConfig(estimator="k1x2", placement="reward", beta=BETA)
     logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
     assert torch.equal(kl.estimate("k1x2", logp, logp - 0.5), torch.full((1, 2), 1.0, dtype=torch.float64))

@@ -230,8 +230,14 @@ def test_the_statistics_of_a_batch_split_into_parts_are_the_whole_batchs(tis_cap
     ({"clip_eps": 1.5}, r"ObjectiveConfig.clip_eps: must be < 1"),
     ({"clip_eps_high": 0.3}, r"ObjectiveConfig.clip_eps_high: set clip_eps too"),
     ({"pg_ratio": "prefix"}, r"ObjectiveConfig.pg_ratio: 'prefix' is not one of token, sequence"),
-    ({"pg_ratio": "sequence", "clip_eps": 0.2}, r"ObjectiveConfig.clip_eps: clips token ratios, and pg_ratio sequence"),
-    ({"pg_ratio": "sequence", "clip_ratio_c": 3.0}, r"ObjectiveConfig.clip_ratio_c: clips token ratios"),
+    ({"pg_ratio": "sequence", "ratio_cap": 8.0}, r"ObjectiveConfig.ratio_cap: bounds token ratios, and pg_ratio seq"),
+    ({"pg_ratio": "sequence", "clip_ratio_c": 3.0}, r"ObjectiveConfig.clip_ratio_c: bounds token ratios"),
+    ({"ratio_cap": 0.5}, r"ObjectiveConfig.ratio_cap: must be None or a number >= 1"),
+    ({"ratio_cap": 8.0, "ratio_floor": 2.0}, r"ObjectiveConfig.ratio_floor: must be None or a number in \(0, 1\]"),
+    ({"ratio_floor": 0.5}, r"ObjectiveConfig.ratio_floor: shapes the bounds of the token ratio; set ratio_cap"),
+    ({"ratio_cap": 8.0, "ratio_mode": "drop"}, r"ObjectiveConfig.ratio_mode: 'drop' is not one of truncate, mask"),
+    ({"kl_loss_agg": "sum"}, r"ObjectiveConfig.kl_loss_agg: 'sum' is not one of"),
+    ({"kl_loss_agg": "seq-mean-token-sum-norm"}, r"ObjectiveConfig.norm_length: seq-mean-token-sum-norm needs"),
     ({"sequence_ratio_cap": 0.5}, r"ObjectiveConfig.sequence_ratio_cap: must be None or a number >= 1"),
 ])
 def test_bad_config_values_give_clear_errors(kwargs, match):

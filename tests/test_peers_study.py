@@ -27,7 +27,8 @@ def test_every_preset_is_a_valid_objective_that_cites_where_it_was_read():
         assert all(getattr(objective, key) == value for key, value in preset.values.items())
         assert len(preset.source.commit) == 40 and preset.source.files and preset.settings
     assert {p.library for p in presets.REGISTRY} == {"verl", "OpenRLHF", "TRL GRPOTrainer", "TRL RLOOTrainer",
-                                                     "NeMo-RL", "slime", "SkyRL", "open-instruct"}
+                                                     "NeMo-RL", "slime", "SkyRL", "open-instruct",
+                                                     "A Comedy of Estimators"}
 
 
 def test_a_run_config_takes_a_presets_values_under_the_keys_it_gives():
@@ -43,8 +44,9 @@ def test_a_run_config_takes_a_presets_values_under_the_keys_it_gives():
 
 
 def test_presets_as_a_study_axis_set_each_runs_estimator_and_placement():
-    runs = {run.run_id: run for run in load_study(study(seeds=[0])).runs}
-    assert len(runs) == len(presets.REGISTRY) + 1  # each preset, and the no-KL baseline once
+    config = study(seeds=[0])
+    runs = {run.run_id: run for run in load_study(config).runs}
+    assert len(runs) == len(config["grid"]["axes"]["objective.preset"]) + 1  # each preset, and the baseline once
     verl = runs["toy-sft__k3-loss__b0.1__preset-verl__s0"]
     assert verl.config["objective"] == {"advantage": "rloo", "placement": "loss", "estimator": "k3", "beta": 0.1,
                                         "preset": "verl"}

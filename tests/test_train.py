@@ -264,6 +264,22 @@ def test_training_with_sequence_level_weights_off_policy(warm_model, tmp_path):
     assert all(math.isfinite(line["loss"]) and not line.get("skipped_updates") for line in lines)
 
 
+@pytest.mark.parametrize("preset, async_level", [("paper-k1-reward", 3), ("verl-reward", 0), ("nemo-rl-reward", 1)])
+def test_training_with_a_presets_whole_objective(warm_model, tmp_path, preset, async_level):
+    """The Comedy paper's objective on stale rollouts (its ratio bounded at 8, its KL centred by the sampler's group
+    mean), and the libraries' whitened per-token KL rewards: the loop hands the response mask and the sampler's KL
+    to the advantages, and every update is finite."""
+    base = {k: v for k, v in TOY_RUN.items() if not k.startswith("objective.")}
+    config = run_config.load(None, overrides(warm_model, base, **{
+        "objective.preset": preset, "objective.beta": 0.1, "train.async_level": async_level, "train.steps": 5}))
+    run = Run(config, tmp_path / preset)
+    lines = [run.run_step() for _ in range(5)]
+    run.verifier.close()
+    assert all(math.isfinite(line["loss"]) and not line.get("skipped_updates") for line in lines)
+    if config.objective.ratio_cap is not None:
+        assert all("ratio_bounded_frac" in line for line in lines)
+
+
 @pytest.mark.parametrize("reward_kl", ["current", "sampler"])
 def test_training_with_the_full_vocabulary_kl_and_sequence_weights(warm_model, tmp_path, reward_kl):
     """Estimator full in the reward and the loss, on rollouts one step stale under sequence weights.

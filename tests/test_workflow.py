@@ -191,18 +191,19 @@ def test_bad_study_config_stops_snakemake_before_any_job(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-@pytest.mark.parametrize("name, runs, checkpoint_steps", [
-    ("paper", 3 * (3 * 3 * 4 + 1) * 3, 0),  # models x (estimators x placements x betas + baseline) x seeds
-    ("paper_offpolicy", 3 * 3 + 6 + 1, 4),   # the KL loss ratio doubles the 6 loss placements; steps 50-200 too
+@pytest.mark.parametrize("name, runs, suites, checkpoints", [
+    ("paper", 3 * (3 * 3 * 4 + 1) * 3, 2, 0),  # models x (estimators x placements x betas + baseline) x seeds
+    # 2 models x the paper's 7 objectives; in-domain, out-of-domain and countdown; every 50 steps of 420 and 520 too
+    ("paper_offpolicy", 2 * 7, 3, 7 * (8 + 10)),
 ])
-def test_paper_dry_run_lists_the_full_grid(tmp_path, name, runs, checkpoint_steps):
+def test_paper_dry_run_lists_the_full_grid(tmp_path, name, runs, suites, checkpoints):
     start = time.perf_counter()
     result = snakemake(tmp_path, REPO / "workflow" / "config" / f"{name}.yaml", "-n", "--quiet", "rules")
     elapsed = time.perf_counter() - start
     assert result.returncode == 0, result.stderr[-3000:]
     counts = {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", result.stdout + result.stderr, re.M)}
     assert counts["train"] == runs
-    assert counts["evaluate"] == runs * 2 * (1 + checkpoint_steps)  # in- and out-of-domain, final and checkpoints
+    assert counts["evaluate"] == (runs + checkpoints) * suites  # final models and checkpoints
     assert counts["fetch_model"] == len(yaml.safe_load((REPO / "workflow" / "config" / f"{name}.yaml").read_text())
                                         ["models"])
     assert planned_jobs(result.stdout) == snakemake_jobs(counts)  # the dry run's plan (sweep.plan) counts the same

@@ -34,7 +34,8 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
                    help="run only the exact audits (no training of tabular policies)")
     p.add_argument("--presets", action="store_true",
                    help="audit only each library's default KL configuration (trainer.objective.presets): what its KL "
-                   "gradient is, on-policy and off-policy")
+                   "gradient is and which objective it follows, on-policy and off-policy; then what whitening the "
+                   "advantages does")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show progress bars (default: when stderr is a terminal)")
     g = p.add_argument_group("gradient audit")
@@ -58,7 +59,7 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    from trainer.audits import audit, convergence, moving_targets, peers_audit
+    from trainer.audits import audit, coefficients, convergence, moving_targets, peers_audit, presets_audit
     if args.vocab ** (args.length * args.group_size) > 200_000:
         raise ValueError(
             f"--vocab {args.vocab} --length {args.length} --group-size {args.group_size} means "
@@ -67,10 +68,15 @@ def _run_audit(args: argparse.Namespace) -> int:
     setup = {"vocab": args.vocab, "length": args.length, "group_size": args.group_size, "seeds": list(args.seeds),
              "beta": args.beta}
     if args.presets:
-        rows = peers_audit.presets_audit(args.vocab, args.length, args.group_size, tuple(args.seeds), args.beta,
-                                         args.tol, progress=args.progress)
+        rows = presets_audit.presets_audit(args.vocab, args.length, args.group_size, tuple(args.seeds), args.beta,
+                                           args.tol, progress=args.progress)
         _write_audit(args.out, "presets_audit", peers_audit.records(rows),
-                     peers_audit.presets_markdown(rows, setup), setup)
+                     presets_audit.presets_markdown(rows, setup), setup)
+        whitening = coefficients.whitening_audit(tuple(args.seeds), args.beta, args.tol, progress=args.progress)
+        whitening_setup = {**coefficients.WHITENING_SETUP, "seeds": list(args.seeds), "beta": args.beta}
+        print()
+        _write_audit(args.out, "whitening_audit", peers_audit.records(whitening),
+                     coefficients.coefficients_markdown(whitening, whitening_setup), whitening_setup)
         return 0
     grad = audit.gradient_audit(args.vocab, args.length, args.group_size, tuple(args.seeds), args.beta,
                                 args.advantage, args.tol, progress=args.progress, clip_ratio_c=args.clip_ratio_c)

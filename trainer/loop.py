@@ -575,7 +575,8 @@ class Run:
                 sequence_kl = sampler_kl[part] if sampler_kl is not None else None
                 if sequence_kl is not None and moved and c.objective.reward_kl == "current":
                     sequence_kl = self._current_reward_kl(minibatch, ref_logp[part], states)
-                adv = self._minibatch_advantages(rewards[part], sequence_kl)
+                adv = self._minibatch_advantages(rewards[part], sequence_kl, minibatch.completion_mask,
+                                                 None if sampler_kl is None else sampler_kl[part])
                 old = None if old_logp is None else old_logp[part]
                 engine = engine_logp[part] if objective.needs_engine_logp else None
                 updates.append(self._update(minibatch, adv, ref_logp[part], old, engine, epoch == 0, states, made))
@@ -622,21 +623,23 @@ class Run:
                                    micro.completion_mask, token_kl))
         return torch.cat(parts)
 
-    def _minibatch_advantages(self, rewards: torch.Tensor, sequence_kl: torch.Tensor | None) -> Advantages:
+    def _minibatch_advantages(self, rewards: torch.Tensor, sequence_kl: torch.Tensor | None, mask: torch.Tensor,
+                              centre_kl: torch.Tensor | None) -> Advantages:
         """Shaped rewards and advantages over the whole minibatch, every process's rows together (so an
-        advantage that normalises over the batch sees all of it), then this process's rows."""
+        advantage that normalises over the batch sees all of it), then this process's rows. `centre_kl`: the
+        sampler's KL, which a centred placement takes its group means from."""
         c, world = self.objective, self.world
         if not world.sharded:
-            return batch_advantages(rewards, sequence_kl, self.config.train.group_size, c)
-        mine = (rewards.cpu(), None if sequence_kl is None else sequence_kl.cpu())
-        everyone = world.gather(mine)
-        rewards_all = torch.cat([r for r, _ in everyone]).to(rewards.device)
-        kl_all = None if sequence_kl is None else _stack_rows([k for _, k in everyone]).to(rewards.device)
-        adv = batch_advantages(rewards_all, kl_all, self.config.train.group_size, c)
+            return batch_advantages(rewards, sequence_kl, self.config.train.group_size, c, mask, centre_kl)
+        parts = (rewards, sequence_kl, mask, centre_kl)
+        everyone = world.gather(tuple(None if p is None else p.cpu() for p in parts))
+        rewards_all, kl_all, mask_all, centre_all = (
+            None if parts[i] is None else _stack_rows([e[i] for e in everyone]).to(rewards.device) for i in range(4))
+        adv = batch_advantages(rewards_all, kl_all, self.config.train.group_size, c, mask_all, centre_all)
         rows = rewards.shape[0]
         mine = adv.rows(slice(world.rank * rows, (world.rank + 1) * rows))
         if mine.values.dim() == 2:  # per-token advantages, back to this process's own width
-            mine = Advantages(mine.rewards, mine.shaped, mine.values[:, :sequence_kl.shape[1]])
+            mine = Advantages(mine.rewards, mine.shaped, mine.values[:, :mask.shape[1]])
         return mine
 
     def _metrics(self, entry: PendingBatch, batch: PackedBatch, updates: list[dict[str, float]],

@@ -58,10 +58,12 @@ class AuditInstance:
 
 
 def _group_losses(inst: AuditInstance, config: ObjectiveConfig, group_size: int, off_policy: bool,
-                  groups: Tensor | None, engine_mismatch: bool) -> tuple[Tensor, list[Tensor], Tensor]:
-    """(theta, the loss of every ordered group, each group's probability under its sampler)."""
+                  groups: Tensor | None, engine_mismatch: bool, batch_groups: int = 1
+                  ) -> tuple[Tensor, list[Tensor], Tensor]:
+    """(theta, the loss of every ordered batch of `batch_groups` groups, each batch's probability under its
+    sampler)."""
     space = inst.space
-    groups = space.groups(group_size) if groups is None else groups
+    groups = space.groups(group_size * batch_groups) if groups is None else groups
     theta = inst.logits.clone().requires_grad_(True)
     logp = space.token_logp(theta)
     ref_logp = space.token_logp(inst.ref_logits)
@@ -70,7 +72,7 @@ def _group_losses(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
     weights = sampler_token_logp.sum(-1)[groups].sum(-1).exp()
     if not bool((weights > 0).all()):  # a sampler that never draws some sequences (top-p): only those it draws
         groups, weights = groups[weights > 0], weights[weights > 0]
-    mask = torch.ones(group_size, space.length, dtype=torch.float64)
+    mask = torch.ones(groups.shape[1], space.length, dtype=torch.float64)
     full = config.needs_full_kl
     token_kl = space.token_kl(theta, inst.ref_logits) if full else None
     sampler_token_kl = space.token_kl(sampler_logits, inst.ref_logits) if full else None
@@ -89,18 +91,21 @@ def _group_losses(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
 
 
 def expected_gradient(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
-                      off_policy: bool, groups: Tensor | None = None, engine_mismatch: bool = False) -> Tensor:
+                      off_policy: bool, groups: Tensor | None = None, engine_mismatch: bool = False,
+                      batch_groups: int = 1) -> Tensor:
     """E over groups sampled from pi (or mu when off_policy) of grad_theta compute_loss.
 
     engine_mismatch: the groups come from mu, an inexact rollout engine, while the trainer takes
     them for on-policy (old_logp None) and is given mu's log-probs as the engine's (`engine_logp`,
-    which objective.tis_cap corrects with).
+    which objective.tis_cap corrects with). batch_groups: each loss is of a batch of that many groups
+    (of one prompt), as an advantage that reads the whole batch (whitening) sees them.
 
-    Exact: every ordered group of `group_size` sequences is enumerated and weighted by its
-    probability; sampling itself is not differentiated, as in training.
+    Exact: every ordered group of `group_size` sequences (batch of groups) is enumerated and weighted by
+    its probability; sampling itself is not differentiated, as in training.
     """
     with one_thread():
-        theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch)
+        theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch,
+                                               batch_groups)
         (grad,) = torch.autograd.grad(sum(w * loss for w, loss in zip(weights, losses, strict=True)), theta)
     return grad
 
@@ -158,13 +163,22 @@ def rel_error(a: Tensor, target: Tensor) -> float:
 def verdict(kl_grad: Tensor, targets: dict[str, Tensor], tol: float) -> str:
     """Every target the KL gradient matches to relative error `tol`, joined by ' = '.
 
-    'zero' when its norm is below tol times that of the true KL gradient, 'biased' when it matches
-    nothing.
+    'zero' when its norm is below tol times that of the true KL gradient; 'scaled' when it is c grad KL
+    with c > 0 other than 1 (the KL's coefficient is c beta: e.g. a baseline that is the group's mean,
+    the response's own KL included), 'scaled per-prefix ...' the same of a per-prefix KL (a KL loss
+    averaged over a response's tokens); 'biased' when it matches nothing.
     """
     if float(kl_grad.norm()) <= tol * float(targets["unbiased"].norm()):
         return "zero"
     matched = [name for name in TARGETS if rel_error(kl_grad, targets[name]) <= tol]
-    return " = ".join(matched) if matched else "biased"
+    if matched:
+        return " = ".join(matched)
+    for name in TARGETS:
+        target = targets[name].flatten()
+        scale = float((kl_grad.flatten() @ target) / (target @ target))
+        if scale > 0 and rel_error(kl_grad, scale * targets[name]) <= tol:
+            return "scaled" if name == "unbiased" else f"scaled {name}"
+    return "biased"
 
 
 @dataclass(frozen=True)
@@ -237,6 +251,8 @@ def theory_of(sampling: str, estimator: str, placement: str, ratio: str, pg_rati
         return ""
     if sampling == "on-policy":
         return theory_on_policy(estimator, placement, ratio)
+    if placements.REGISTRY[placement].centred:  # centred by the sampler's KL: not the on-policy statement
+        return ""
     if pg_ratio == "sequence" and (not _in_loss(placement) or ratio == "sequence"):
         return theory_on_policy(estimator, placement, "none")
     return ""

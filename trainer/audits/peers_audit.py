@@ -6,8 +6,8 @@ Two parts here, all on `trainer.audits.audit`'s random tabular instances and thr
   KL-loss weights `engine` and `score`, the entropy bonus, the engine weights of the policy
   gradient), exactly, with the variance of one group's gradient; each case states the verdict
   docs/peers.md derives, and the audit says whether it agrees.
-- `presets_audit`: for each library's default (trainer.objective.presets), what its KL gradient is on-policy
-  and off-policy (token ratios, as the libraries weight), and whether it is unbiased: the papers'
+- `trainer.audits.presets_audit`: for each library's default (trainer.objective.presets), what its KL gradient
+  is on-policy and off-policy (token ratios, as the libraries weight), and whether it is unbiased: the papers'
   Table 1, executable.
 - `trainer.audits.moving_targets`: tabular policies trained with an adaptive beta or a refreshed reference.
 
@@ -33,7 +33,7 @@ from trainer.audits.audit import (
     variance,
     verdict,
 )
-from trainer.objective import kl, presets
+from trainer.objective import kl
 from trainer.objective.loss import ObjectiveConfig
 from trainer.progress import progress_bar
 
@@ -115,6 +115,14 @@ def addition_cases(beta: float = 0.1) -> list[Case]:
                {"tis_cap": 2.0, "tis_floor": 0.5, "tis_level": "geometric", "tis_mode": "mask"})]
     cases += [Case("engine weights", label, replace(none, **values), none, "engine mismatch",
                    "exact" if label == "sequence weight, untruncated" else "", scale="1") for label, values in engine]
+    ratios = [("token ratio", {}, ""),
+              ("token ratio clamped to [0, 8] (the Comedy paper's fork)", {"ratio_cap": 8.0}, ""),
+              ("token ratio masked outside [0.125, 8] (the fork's IcePop)",
+               {"ratio_cap": 8.0, "ratio_floor": 0.125, "ratio_mode": "mask"}, ""),
+              ("sequence ratio", {"pg_ratio": "sequence"}, "exact"),
+              ("sequence ratio, PPO-clipped at 0.2 (TRL RLOO)", {"pg_ratio": "sequence", "clip_eps": 0.2}, "")]
+    cases += [Case("policy-gradient ratio", label, replace(none, **values), none, "off-policy", theory, scale="1")
+              for label, values, theory in ratios]
     return cases
 
 
@@ -225,109 +233,6 @@ def additions_markdown(rows: list[PartRow], setup: dict[str, object]) -> str:
         on_policy = "-" if r.sampling == "on-policy" or r.err_on_policy != r.err_on_policy else f"{r.err_on_policy:.1e}"
         lines.append(f"| {r.section} | {r.label} | {r.sampling} | {r.norm_ratio:.3f} | {r.cos:+.3f} | {r.err:.1e} "
                      f"| {on_policy} | {r.clamped:.2f} | {r.var_part:.3f} | {r.var_grad:.4f} | {r.verdict} | {mark} |")
-    return "\n".join(lines)
-
-
-# --- presets ---------------------------------------------------------------------------------------------
-
-WORDS = {"unbiased": "grad KL(pi || pi_ref)", "per-prefix reverse": "sum_t E[grad KL_t(pi || pi_ref)] (per-prefix "
-         "reverse)", "per-prefix forward": "sum_t E[grad KL_t(pi_ref || pi)] (per-prefix forward)",
-         "zero": "0: no regularization", "biased": "none of these (biased)"}
-
-
-@dataclass(frozen=True)
-class PresetRow:
-    preset: str
-    library: str
-    library_beta: float
-    estimator: str
-    placement: str
-    kl_loss_ratio: str
-    clamps: str
-    engine_weights: str
-    on_policy: str
-    err_on_policy: float
-    off_policy: str
-    err_off_policy: float
-    var_kl: float
-    source: str
-
-    @property
-    def unbiased(self) -> tuple[bool, bool]:
-        return self.on_policy == "unbiased", self.off_policy == "unbiased"
-
-
-def presets_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: tuple[int, ...] = (0, 1, 2),
-                  beta: float = 0.1, tol: float = 1e-6, progress: bool | None = None) -> list[PresetRow]:
-    """Each preset at the audit's beta, with the audit's RLOO advantages: its KL part on-policy and off-policy
-    (samples of mu weighted by token ratios, the reward's KL from the sampler, as the libraries)."""
-    groups = tabular.SequenceSpace(vocab, length).groups(group_size)
-    found: dict[str, dict[str, list]] = {p.name: {"on": [], "off": [], "err_on": [], "err_off": [], "var": []}
-                                         for p in presets.REGISTRY}
-    bar = progress_bar(len(seeds) * len(presets.REGISTRY), "presets audit", progress)
-    for seed in seeds:
-        inst = AuditInstance.random(vocab, length, seed)
-        targets = target_gradients(inst)
-        for preset in presets.REGISTRY:
-            config = presets.objective(preset.name, beta=beta, advantage="rloo")
-            record = found[preset.name]
-            if config.placement == "none":
-                record["on"].append("zero"), record["off"].append("zero")
-                record["err_on"].append(1.0), record["err_off"].append(1.0), record["var"].append(0.0)
-                bar.update()
-                continue
-            base = replace(config, placement="none")
-            for key, off_policy in (("on", False), ("off", True)):
-                grads, weights = group_gradients(inst, config, group_size, off_policy, groups)
-                base_grads, _ = group_gradients(inst, base, group_size, off_policy, groups)
-                part = (grads - base_grads) / beta
-                mean = expectation(part, weights)
-                record[key].append(verdict(mean, targets, tol))
-                record[f"err_{key}"].append(rel_error(mean, targets["unbiased"]))
-                if key == "on":
-                    record["var"].append(variance(part, weights))
-            bar.update()
-    bar.close()
-    rows = []
-    for preset in presets.REGISTRY:
-        config, record = presets.objective(preset.name), found[preset.name]
-
-        def agreed(values: list[str]) -> str:
-            return values[0] if len(set(values)) == 1 else "mixed"
-
-        clamps = ", ".join(f"{name} {value:g}" for name, value in (("log-ratio", config.kl_log_ratio_clamp),
-                                                                    ("value", config.kl_value_clamp)) if value)
-        tis = "-" if config.tis_cap is None else (f"{config.tis_level} {config.tis_mode} "
-                                                   f"[{config.tis_floor or 0:g}, {config.tis_cap:g}]")
-        rows.append(PresetRow(preset.name, preset.library, config.beta, config.estimator if config.placement != "none"
-                              else "-", config.placement, config.kl_loss_ratio if config.kl_in_loss else "-",
-                              clamps or "-", tis, agreed(record["on"]), max(record["err_on"]), agreed(record["off"]),
-                              max(record["err_off"]), sum(record["var"]) / len(record["var"]), preset.source.cite))
-    return rows
-
-
-def presets_markdown(rows: list[PresetRow], setup: dict[str, object]) -> str:
-    lines = [
-        f"Each library's default KL configuration (trainer.objective.presets), audited exactly: "
-        f"vocabulary {setup['vocab']}, "
-        f"length {setup['length']}, group size {setup['group_size']}, RLOO, seeds {setup['seeds']}, every preset at "
-        f"beta {setup['beta']} (the library's own default in its column). The KL part of the expected gradient, "
-        "(E[grad loss] - E[grad loss, no KL]) / beta, on-policy and off-policy (samples of mu, PPO's token ratios, "
-        "the reward's KL from the sampler, as the libraries compute it); err: worst relative error against grad "
-        "KL(pi || pi_ref); var: of the KL part of one group's gradient, on-policy. On these instances no clamp "
-        "binds (|l| < 3): the clamps change nothing here, only beyond them.",
-        "",
-        "| preset | library | its beta | estimator | placement | KL-loss weight | clamps | engine weights "
-        "| the KL gradient, on-policy | unbiased on-policy | off-policy | unbiased off-policy | err on / off | var "
-        "| read from |",
-        "|---|---|---:|---|---|---|---|---|---|---|---|---|---|---:|---|",
-    ]
-    for r in rows:
-        on, off = r.unbiased
-        lines.append(f"| {r.preset} | {r.library} | {r.library_beta:g} | {r.estimator} | {r.placement} "
-                     f"| {r.kl_loss_ratio} | {r.clamps} | {r.engine_weights} | {WORDS.get(r.on_policy, r.on_policy)} "
-                     f"| {'yes' if on else 'no'} | {r.off_policy} | {'yes' if off else 'no'} "
-                     f"| {r.err_on_policy:.1e} / {r.err_off_policy:.1e} | {r.var_kl:.3f} | {r.source} |")
     return "\n".join(lines)
 
 

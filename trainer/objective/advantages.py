@@ -4,6 +4,12 @@
 estimator returns a [B] tensor. RLOO is the one under which the KL identities of KL_THEORY.md
 hold exactly: its baseline is independent of the sample it is subtracted from.
 
+A whitening estimator (`whiten`) computes its [B] values as its base does (`compute`: no baseline, or
+the group mean), and the KL joins them as the placement says; then the combined per-token return is
+whitened over every response token of the minibatch (`trainer.objective.whitening`): the PPO-style
+libraries' default estimators where the KL is in per-token rewards (verl's GAE with no critic and its
+REINFORCE++, OpenRLHF's gae, reinforce and reinforce_baseline, NeMo-RL's and slime's REINFORCE++).
+
 An estimator's `scope` says which rows it reads: "group" ones read only a response's own group;
 "batch" ones (REINFORCE++'s normalisation) read every row of the minibatch, over all its
 micro-batches and processes, which is why the trainer computes advantages once per minibatch
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from trainer.objective.registry import Registry
+from trainer.objective.whitening import POPULATION, SAMPLE, Whitening
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -84,6 +91,12 @@ class Advantage:
     compute: Callable[..., Tensor]  # (rewards [B], group_size, **options) -> [B]
     scope: str = "group"            # "group": reads its group only; "batch": every row of the minibatch
     scaled: bool = False            # takes grpo_scale (divide by the group std)
+    whiten: Whitening | None = None  # the combined per-token return whitened over the minibatch's tokens
+    summary: str = ""
+
+    def __post_init__(self) -> None:
+        if self.whiten is not None and self.scope != "batch":
+            raise ValueError(f"advantage {self.name!r}: a whitening estimator reads every row (scope batch)")
 
 
 REGISTRY: Registry[Advantage] = Registry("advantage")
@@ -92,10 +105,29 @@ REGISTRY.register(Advantage("grpo", grpo, scaled=True))
 REGISTRY.register(Advantage("drgrpo", drgrpo))
 REGISTRY.register(Advantage("reinforce", reinforce))
 REGISTRY.register(Advantage("reinforce++", reinforce_plus_plus, scope="batch"))
+# GAE with no critic (values 0) and gamma = lambda = 1, verl's and OpenRLHF's defaults, is the return itself:
+# the same as REINFORCE++ without a baseline (verl core_algos.py:215-264 and :583-619; OpenRLHF
+# experience_maker.py, get_advantages_and_returns and get_cumulative_returns)
+REGISTRY.register(Advantage(
+    "reinforce-whiten", reinforce, scope="batch", whiten=SAMPLE,
+    summary="the return R - beta KL, whitened with the sample variance: verl's GAE (no critic) and REINFORCE++, "
+            "slime's reinforce_plus_plus"))
+REGISTRY.register(Advantage(
+    "drgrpo-whiten", drgrpo, scope="batch", whiten=SAMPLE,
+    summary="R minus its group mean, then the KL, whitened with the sample variance: verl's and slime's "
+            "reinforce_plus_plus_baseline"))
+REGISTRY.register(Advantage(
+    "reinforce-whiten-pop", reinforce, scope="batch", whiten=POPULATION,
+    summary="the return, whitened with the population variance: OpenRLHF's gae (no critic) and reinforce"))
+REGISTRY.register(Advantage(
+    "drgrpo-whiten-pop", drgrpo, scope="batch", whiten=POPULATION,
+    summary="R minus its group mean, then the KL, whitened with the population variance: OpenRLHF's "
+            "reinforce_baseline, NeMo-RL's REINFORCE++ (minus_baseline)"))
 
 
 def compute(name: str, rewards: Tensor, group_size: int, *, grpo_scale: bool = True) -> Tensor:
-    """The advantages of estimator `name` over all the rows it reads, or a ValueError listing the choices."""
+    """The advantages of estimator `name` over all the rows it reads, or a ValueError listing the choices
+    (a whitening estimator's before the KL joins them and the whitening: `batch_advantages` does both)."""
     spec = REGISTRY[name]
     if spec.scaled:
         return spec.compute(rewards, group_size, scale=grpo_scale)

@@ -57,13 +57,15 @@ REGISTRY.register(Estimator(
     "k1", "l", formula=lambda lr, bound: lr,
     theory={("reward", "none"): "unbiased", ("loss", "none"): "zero", ("reward+loss", "none"): "unbiased",
             ("loss", "differentiable"): "per-prefix reverse", ("reward-to-go", "none"): "unbiased",
-            ("reward-to-go+loss", "none"): "unbiased", ("reward-token", "none"): "per-prefix reverse"},
+            ("reward-to-go+loss", "none"): "unbiased", ("reward-token", "none"): "per-prefix reverse",
+            ("reward-centred", "none"): "scaled"},
     color="tab:blue", marker="o"))
 REGISTRY.register(Estimator(
     "k2", "l^2 / 2", formula=lambda lr, bound: 0.5 * lr.square(),
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
             ("reward+loss", "none"): "biased", ("reward-to-go", "none"): "biased",
-            ("reward-to-go+loss", "none"): "biased", ("reward-token", "none"): "biased"},
+            ("reward-to-go+loss", "none"): "biased", ("reward-token", "none"): "biased",
+            ("reward-centred", "none"): "biased"},
     color="tab:orange", marker="s"))
 
 
@@ -77,21 +79,23 @@ REGISTRY.register(Estimator(
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix forward",
             ("reward+loss", "none"): "unbiased", ("loss", "differentiable"): "per-prefix reverse",
             ("reward-to-go", "none"): "biased", ("reward-to-go+loss", "none"): "unbiased",
-            ("reward-token", "none"): "biased"},
+            ("reward-token", "none"): "biased", ("reward-centred", "none"): "biased"},
     color="tab:green", marker="^"))
 REGISTRY.register(Estimator(
     "k3+", "k3's value, k2's gradient", formula=_k3, gradient_of=lambda lr, bound: 0.5 * lr.square(), clamps=True,
     logged=False,
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
             ("reward+loss", "none"): "biased", ("reward-to-go", "none"): "biased",
-            ("reward-to-go+loss", "none"): "biased", ("reward-token", "none"): "biased"},
+            ("reward-to-go+loss", "none"): "biased", ("reward-token", "none"): "biased",
+            ("reward-centred", "none"): "biased"},
     color="tab:olive", marker="v"))
 REGISTRY.register(Estimator(
     "full", "sum_v pi(v) log(pi(v) / pi_ref(v))", inputs=FULL, token_dependent=False,
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
             ("reward+loss", "none"): "unbiased", ("loss", "differentiable"): "per-prefix reverse",
             ("reward+loss", "differentiable"): "unbiased", ("reward-to-go", "none"): "biased",
-            ("reward-to-go+loss", "none"): "unbiased", ("reward-token", "none"): "zero"},
+            ("reward-to-go+loss", "none"): "unbiased", ("reward-token", "none"): "zero",
+            ("reward-centred", "none"): "biased"},
     color="tab:red", marker="D"))
 
 SAMPLED_ESTIMATORS = tuple(e.name for e in REGISTRY if e.inputs == SAMPLED)

@@ -47,6 +47,13 @@ def kl_reward_span(token_kl: Tensor, config: ObjectiveConfig) -> Tensor:
     return to_go if estimators.REGISTRY[config.estimator].token_dependent else to_go - token_kl
 
 
+def centred_kl(sequence_kl: Tensor, centre_kl: Tensor, group_size: int) -> Tensor:
+    """[B] each response's KL minus the mean over its group of `centre_kl` (the sampler's KL of the same
+    responses; `sequence_kl` itself when the reward's KL is the sampler's): placement reward-centred."""
+    centre = centre_kl.view(-1, group_size).mean(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
+    return sequence_kl - centre
+
+
 def kl_loss_term(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None,
                  weight: Tensor | None) -> Tensor:
     """Each token's KL-loss term: its estimate, times its weight, clamped as the libraries clamp it. With a

@@ -11,16 +11,15 @@ process). `compute_loss` is both at once, for one batch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, PLACEMENTS
-from trainer.objective import advantages, estimators, kl
+from trainer.objective import advantages, kl, pg_terms, placements, whitening
 from trainer.objective.engine_weights import engine_weights
-from trainer.objective.kl_terms import kl_loss_term, kl_loss_weight, kl_reward_span, reward_kl
+from trainer.objective.kl_terms import centred_kl, kl_loss_term, kl_loss_weight, kl_reward_span, reward_kl
 from trainer.objective.objective_config import ObjectiveConfig
 
 __all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PG_RATIOS", "PLACEMENTS", "Advantages", "ObjectiveConfig", "advantage_stats",
@@ -33,7 +32,7 @@ SUMMED_STATS = ("loss", "loss_pg", "loss_kl", "loss_entropy", "kl_clamped_tokens
 # rows, by its rows (`_rows`); adv_std is pooled from the parts' means and mean squares. Keys that
 # start with "_" are these weights: combine_stats consumes them.
 TOKEN_MEAN_STATS = ("ratio_mean", "clip_frac", "dual_clip_frac", "entropy", "tis_weight_mean", "tis_truncated_frac",
-                    "seq_ratio_truncated_frac")
+                    "seq_ratio_truncated_frac", "ratio_bounded_frac")
 
 
 def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int | None = None,
@@ -86,33 +85,49 @@ class Advantages:
         return Advantages(self.rewards[index], self.shaped[index], self.values[index])
 
 
-def batch_advantages(rewards: Tensor, sequence_kl: Tensor | None, group_size: int,
-                     config: ObjectiveConfig) -> Advantages:
+def batch_advantages(rewards: Tensor, sequence_kl: Tensor | None, group_size: int, config: ObjectiveConfig,
+                     mask: Tensor | None = None, centre_kl: Tensor | None = None) -> Advantages:
     """Shape the rewards (minus beta x `sequence_kl` where the KL goes in the reward) and compute the
     advantages, over all the rows an advantage estimator reads: call it once per minibatch, with every
     row of it (a "batch"-scope estimator normalises over them all), then `policy_loss` per part.
 
     With the KL in per-token rewards (`sequence_kl` [B, T], from `reward_kl`), the rewards go through the
     advantage estimator alone and each token's advantage is that minus beta x the KL its score reaches
-    (trainer.objective.placements), with no baseline: as the PPO-style libraries return per-token KL rewards."""
+    (trainer.objective.placements), with no baseline: as the PPO-style libraries return per-token KL rewards.
+    With the KL centred (placement reward-centred) the same, each response's KL minus the mean over its group
+    of `centre_kl` (the sampler's KL; `sequence_kl` itself when not given). A whitening estimator then whitens
+    the combined values over the response tokens of `mask` [B, T] (required for it): [B, T] advantages."""
     rewards = rewards.detach()
+    spec = advantages.REGISTRY[config.advantage]
+    if spec.whiten is not None and mask is None:
+        raise ValueError(f"advantage {config.advantage}: batch_advantages needs the response mask to whiten over")
+    dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
     if config.kl_in_reward:
         if sequence_kl is None:
             raise ValueError(f"placement {config.placement}: batch_advantages needs the responses' KL (reward_kl)")
-        if config.kl_in_token_rewards:
-            token_kl = sequence_kl.detach()
-            if token_kl.dim() != 2:
-                raise ValueError(f"placement {config.placement}: the KL rewards are per token, [B, T], got "
-                                 f"{tuple(token_kl.shape)}")
+        token_kl = sequence_kl.detach()
+        expected = 2 if config.kl_in_token_rewards else 1
+        if token_kl.dim() != expected:
+            shape = "are per token, [B, T]" if expected == 2 else "are per response, [B]"
+            raise ValueError(f"placement {config.placement}: the KL rewards {shape}, got {tuple(token_kl.shape)}")
+        shaped = rewards.to(token_kl.dtype) - config.beta * (token_kl.sum(-1) if expected == 2 else token_kl)
+        if config.kl_in_token_rewards or placements.REGISTRY[config.placement].centred:
             base = advantages.compute(config.advantage, rewards.to(token_kl.dtype), group_size,
                                       grpo_scale=config.grpo_scale)
-            values = base.unsqueeze(-1) - config.beta * kl_reward_span(token_kl, config)
-            return Advantages(rewards, rewards.to(token_kl.dtype) - config.beta * token_kl.sum(-1), values)
-        shaped = rewards.to(sequence_kl.dtype) - config.beta * sequence_kl.detach()
+            if config.kl_in_token_rewards:
+                values = base.unsqueeze(-1) - config.beta * kl_reward_span(token_kl, config)
+            else:
+                centre = token_kl if centre_kl is None else centre_kl.detach().to(token_kl.dtype)
+                values = base - config.beta * centred_kl(token_kl, centre, group_size)
+            return Advantages(rewards, shaped, _whitened(values, mask, spec))
     else:
-        shaped = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+        shaped = rewards.to(dtype)
     values = advantages.compute(config.advantage, shaped, group_size, grpo_scale=config.grpo_scale)
-    return Advantages(rewards, shaped, values)
+    return Advantages(rewards, shaped, _whitened(values, mask, spec))
+
+
+def _whitened(values: Tensor, mask: Tensor | None, spec: advantages.Advantage) -> Tensor:
+    return values if spec.whiten is None else whitening.whiten(values, mask.to(values.dtype), spec.whiten)
 
 
 def compute_loss(
@@ -156,12 +171,14 @@ def compute_loss(
     """
     _check_inputs(logp, {"rewards": rewards}, group_size, ref_logp=ref_logp, mask=mask, old_logp=old_logp,
                   engine_logp=engine_logp, token_kl=token_kl, old_token_kl=old_token_kl)
-    sequence_kl = None
+    sequence_kl = centre_kl = None
     if config.kl_in_reward:
         sampler = old_logp is not None and config.reward_kl == "sampler"
         sequence_kl = reward_kl(config, old_logp if sampler else logp, ref_logp, mask,
                                 old_token_kl if sampler else token_kl)
-    adv = batch_advantages(rewards, sequence_kl, group_size, config)
+        if placements.REGISTRY[config.placement].centred and old_logp is not None and not sampler:
+            centre_kl = reward_kl(config, old_logp, ref_logp, mask, old_token_kl)  # the group means: the sampler's
+    adv = batch_advantages(rewards, sequence_kl, group_size, config, mask, centre_kl)
     loss, stats = policy_loss(logp, ref_logp, old_logp, adv.values, mask, config, totals, engine_logp, token_kl,
                               entropy)
     return loss, {**stats, **advantage_stats(adv)}
@@ -197,13 +214,9 @@ def policy_loss(
 
     ratio = torch.exp(logp_c - old)
     adv_t = adv.to(dtype) if adv.dim() == 2 else adv.to(dtype).unsqueeze(-1)
-    sequence = _sequence_ratios(logp_c, old, maskf, config) if _uses_sequence_ratios(config) else None
-    if config.pg_ratio == "sequence":
-        # sg(w) * A * grad log pi_t on every token: E_mu[w A sum_t grad log pi_t] = grad E_pi[R]
-        pg = -sequence[0].unsqueeze(-1) * torch.exp(logp_c - logp_c.detach()) * adv_t
-        clipped, dual_clipped = torch.zeros_like(pg, dtype=torch.bool), None
-    else:
-        pg, clipped, dual_clipped = _policy_gradient_term(logp_c - old, adv_t, config)
+    sequence = pg_terms.sequence_ratios(logp_c, old, maskf, config) if pg_terms.uses_sequence_ratios(config) else None
+    term = pg_terms.policy_gradient(logp_c, old, adv_t, maskf, config, None if sequence is None else sequence[0])
+    pg, clipped, dual_clipped = term.per_token, term.clipped, term.dual_clipped
     tis = None
     if config.tis_cap is not None:
         # weights of old / mu_engine: non-negative constants per token, so they scale the clipped term as is
@@ -216,7 +229,8 @@ def policy_loss(
     if config.kl_in_loss:
         kl_term = kl_loss_term(config, logp, ref_logp, token_kl, kl_loss_weight(config, logp_c, ratio, sequence,
                                                                                   engine_logp))
-        loss_kl = config.beta * aggregate(kl_term, maskf, config.loss_agg, config.norm_length, totals)
+        loss_kl = config.beta * aggregate(kl_term, maskf, config.kl_loss_agg or config.loss_agg, config.norm_length,
+                                          totals)
         loss = loss + loss_kl
     loss_entropy = torch.zeros((), dtype=dtype, device=logp.device)
     if config.entropy_coef:
@@ -232,52 +246,9 @@ def policy_loss(
         stats.update(_tis_stats(tis, maskf))
     if sequence is not None:
         stats.update(_sequence_stats(*sequence, maskf, config.sequence_ratio_cap))
+    if term.bounded is not None:
+        stats["ratio_bounded_frac"] = float((term.bounded & maskf.bool()).sum() / maskf.sum().clamp(min=1))
     return loss, stats
-
-
-def _uses_sequence_ratios(config: ObjectiveConfig) -> bool:
-    return config.pg_ratio == "sequence" or (config.kl_in_loss and config.kl_loss_ratio == "sequence")
-
-
-def _sequence_ratios(logp: Tensor, old: Tensor, maskf: Tensor, config: ObjectiveConfig) -> tuple[Tensor, Tensor]:
-    """Detached importance weights of whole responses, w = pi(y) / mu(y) [B], and of the prefixes each
-    KL-loss token's term depends on [B, T] (1 on-policy, where old is logp itself), each truncated at
-    sequence_ratio_cap when set: w_t = prod_{u<=t} pi_u / mu_u for a term of the sampled token, and
-    prod_{u<t} for one of the prefix alone (`full`'s KL_t: a weight through y_t would be exact too, and
-    noisier). Not clamped otherwise: a weight that overflows makes the update non-finite, and the loop
-    skips it and counts it."""
-    token_log = (logp.detach() - old) * maskf
-    through = torch.cumsum(token_log, dim=-1)
-    prefix_log = through if estimators.REGISTRY[config.estimator].token_dependent else through - token_log
-    sequence_log = through[:, -1]
-    if config.sequence_ratio_cap is not None:
-        cap = math.log(config.sequence_ratio_cap)
-        prefix_log, sequence_log = prefix_log.clamp(max=cap), sequence_log.clamp(max=cap)
-    return sequence_log.exp(), prefix_log.exp()
-
-
-def _policy_gradient_term(log_ratio: Tensor, adv_t: Tensor, config: ObjectiveConfig
-                          ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Per-token -ratio x A, PPO-clipped with clip_eps, then bounded by the dual clip; and which
-    tokens each clip bounds (the dual clip's mask is None when it is off)."""
-
-    def ppo(ratio: Tensor) -> tuple[Tensor, Tensor]:
-        pg = -ratio * adv_t
-        if config.clip_eps is None:
-            return pg, torch.zeros_like(pg, dtype=torch.bool)
-        high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
-        pg_clipped = -torch.clamp(ratio, 1 - config.clip_eps, 1 + high) * adv_t
-        return torch.maximum(pg, pg_clipped), pg_clipped > pg
-
-    if config.clip_ratio_c is None:
-        pg, clipped = ppo(log_ratio.exp())
-        return pg, clipped, None
-    bound = -config.clip_ratio_c * adv_t  # > 0 where the advantage is negative
-    with torch.no_grad():
-        dual = (adv_t < 0) & (ppo(log_ratio.detach().exp())[0] > bound)
-    # a bounded token's ratio (e^100 when stale) never enters the graph: no inf x 0 = nan gradient
-    pg, clipped = ppo(log_ratio.masked_fill(dual, 0.0).exp())
-    return torch.where(dual, bound, pg), clipped & ~dual, dual
 
 
 @torch.no_grad()

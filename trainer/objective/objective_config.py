@@ -58,6 +58,9 @@ class ObjectiveConfig:
                     seq-mean-token-sum-norm  token sums divided by the fixed `norm_length`
                                              (Dr. GRPO), then the mean over responses
     norm_length     the constant of seq-mean-token-sum-norm (e.g. the maximum response length)
+    kl_loss_agg     how the KL-loss term's per-token values become one number, where it differs from the
+                    policy gradient's: one of loss_agg's choices; None = loss_agg. SkyRL averages its KL
+                    loss per response (seq-mean-token-mean) and its policy loss over tokens (token-mean)
     clip_eps        PPO ratio clipping to [1 - clip_eps, 1 + clip_eps_high]; None = no clipping
     clip_eps_high   upper clip (DAPO's clip-higher); None = clip_eps
     clip_ratio_c    dual-clip bound (Ye et al. 2020; verl's clip_ratio_c, typically 3): where the
@@ -90,9 +93,16 @@ class ObjectiveConfig:
                     sequence        the detached sequence ratio w = pi(y) / mu(y) on every token's
                                     score, sg(w) * A * grad log pi_t: exactly unbiased (REINFORCE
                                     with importance sampling) when the advantage's baseline is a
-                                    mean of rewards (not grpo's std scaling). No clip_eps /
-                                    clip_ratio_c (they clip token ratios): bound the weights with
-                                    sequence_ratio_cap
+                                    mean of rewards (not grpo's std scaling). With clip_eps, w is
+                                    PPO-clipped as a whole, -min(w A, clip(w) A) (TRL's RLOOTrainer):
+                                    biased wherever the clip binds. No clip_ratio_c or ratio_cap (they
+                                    bound token ratios); sequence_ratio_cap truncates w
+    ratio_cap, ratio_floor, ratio_mode  bound the token ratio rho_t = pi / mu before PPO's clip:
+                    truncate  rho_t clamped to [ratio_floor, ratio_cap] (no gradient beyond; the Comedy
+                              paper's prime-rl fork: [0, 8])
+                    mask      tokens whose rho_t leaves [ratio_floor, ratio_cap] contribute nothing
+                              (IcePop as that fork runs it: [0.125, 8])
+                    ratio_cap >= 1 (on-policy ratios of 1 are untouched), ratio_floor in (0, 1] (None = 0)
     sequence_ratio_cap  truncates the sequence and prefix ratios at this value (>= 1, so on-policy
                     weights of 1 are untouched): bounds their variance, which grows with the
                     response length, at the price of bias wherever a weight is cut. None = exact
@@ -140,6 +150,7 @@ class ObjectiveConfig:
     grpo_scale: bool = True
     loss_agg: str = "seq-mean-token-sum"
     norm_length: int | None = None
+    kl_loss_agg: str | None = None
     clip_eps: float | None = None
     clip_eps_high: float | None = None
     clip_ratio_c: float | None = None
@@ -147,6 +158,9 @@ class ObjectiveConfig:
     tis_cap: float | None = None
     pg_ratio: str = "token"
     sequence_ratio_cap: float | None = None
+    ratio_cap: float | None = None
+    ratio_floor: float | None = None
+    ratio_mode: str = "truncate"
     reward_kl: str = "sampler"
     tis_floor: float | None = None
     tis_mode: str = "truncate"
@@ -172,7 +186,9 @@ class ObjectiveConfig:
             raise ValueError(f"ObjectiveConfig.beta: must be a number, got {self.beta!r}")
         if not self.beta >= 0 or self.beta == float("inf"):
             raise ValueError(f"ObjectiveConfig.beta: must be a finite number >= 0, got {self.beta}")
-        if self.loss_agg == "seq-mean-token-sum-norm":
+        if self.kl_loss_agg is not None:
+            _choice("kl_loss_agg", self.kl_loss_agg, LOSS_AGGS)
+        if "seq-mean-token-sum-norm" in (self.loss_agg, self.kl_loss_agg):
             if not isinstance(self.norm_length, int) or self.norm_length < 1:
                 raise ValueError(
                     "ObjectiveConfig.norm_length: seq-mean-token-sum-norm needs a positive "
@@ -192,14 +208,23 @@ class ObjectiveConfig:
         if self.clip_eps_high is not None and self.clip_eps is None:
             raise ValueError("ObjectiveConfig.clip_eps_high: set clip_eps too (clip_eps_high only widens it)")
         if self.pg_ratio == "sequence":
-            for key in ("clip_eps", "clip_ratio_c"):
+            for key in ("clip_ratio_c", "ratio_cap"):
                 if getattr(self, key) is not None:
-                    raise ValueError(f"ObjectiveConfig.{key}: clips token ratios, and pg_ratio sequence weights whole "
-                                     "sequences; bound those weights with sequence_ratio_cap instead")
+                    raise ValueError(f"ObjectiveConfig.{key}: bounds token ratios, and pg_ratio sequence weights whole "
+                                     "sequences; clip them with clip_eps or truncate them with sequence_ratio_cap")
+        self._check_ratio_bounds()
         cap = self.sequence_ratio_cap
         if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap >= 1):
             raise ValueError(f"ObjectiveConfig.sequence_ratio_cap: must be None or a number >= 1, got {cap!r}")
         self._check_peers_keys()
+
+    def _check_ratio_bounds(self) -> None:
+        _optional("ratio_cap", self.ratio_cap, lambda v: v >= 1, "a number >= 1")
+        _optional("ratio_floor", self.ratio_floor, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        _choice("ratio_mode", self.ratio_mode, TIS_MODES)
+        if self.ratio_cap is None and (self.ratio_floor is not None or self.ratio_mode != "truncate"):
+            key = "ratio_floor" if self.ratio_floor is not None else "ratio_mode"
+            raise ValueError(f"ObjectiveConfig.{key}: shapes the bounds of the token ratio; set ratio_cap too")
 
     def _check_peers_keys(self) -> None:
         """The settings that reproduce the RL libraries (docs/peers.md)."""
@@ -289,8 +314,12 @@ class ObjectiveConfig:
             inert.add("reward_kl")
         if not advantages.REGISTRY[self.advantage].scaled:
             inert.add("grpo_scale")
-        if self.loss_agg != "seq-mean-token-sum-norm":
+        if not self.kl_in_loss:
+            inert.add("kl_loss_agg")
+        if "seq-mean-token-sum-norm" not in (self.loss_agg, self.kl_loss_agg if self.kl_in_loss else None):
             inert.add("norm_length")
+        if self.ratio_cap is None:
+            inert |= {"ratio_floor", "ratio_mode"}
         if self.pg_ratio != "sequence" and (self.kl_loss_ratio != "sequence" or not self.kl_in_loss):
             inert.add("sequence_ratio_cap")
         return frozenset(inert)

@@ -15,6 +15,13 @@ A placement with the KL in the reward says how far each token's score reaches (`
     token     per-token KL rewards, not returned: token t's score is weighted by k_t alone
               (NeMo-RL's REINFORCE++, slime's REINFORCE++-baseline)
 
+A placement may also centre the KL in the reward (`centred`): each response's KL minus the mean KL of
+its group, subtracted beside the advantage of R (the task reward alone goes through the advantage
+estimator), the group's mean from the log-probs of the policy that sampled (`reward-centred`: the prime-rl
+fork of "A Comedy of Estimators", bbartoldson/tba-prime@59c2f8ae src/zeroband/training/loss.py, tba_loss:
+`advantages += -beta * (kl_est - mean_KL)`, with mean_KL from the recomputed behaviour log-probs in
+src/zeroband/train.py). On-policy and with drgrpo's centring of R, it is drgrpo of R - beta K.
+
 docs/peers.md derives what each one's expected gradient is.
 """
 
@@ -34,11 +41,14 @@ class Placement:
     in_loss: bool
     fill: str  # the marker fill that figures draw it with ("full", "none", "left", ...)
     reward_span: str = "sequence"  # with the KL in the reward: how far each token's score reaches
+    centred: bool = False          # the KL in the reward minus its group's mean, beside the advantage of R
 
     def __post_init__(self) -> None:
         if self.reward_span not in REWARD_SPANS:
             raise ValueError(f"placement {self.name!r}: reward_span {self.reward_span!r} is not one of "
                              f"{', '.join(REWARD_SPANS)}")
+        if self.centred and (not self.in_reward or self.reward_span != "sequence"):
+            raise ValueError(f"placement {self.name!r}: only a sequence's KL in the reward is centred")
 
     @property
     def per_token_reward(self) -> bool:
@@ -54,5 +64,6 @@ REGISTRY.register(Placement("reward+loss", in_reward=True, in_loss=True, fill="l
 REGISTRY.register(Placement("reward-to-go", in_reward=True, in_loss=False, fill="bottom", reward_span="to-go"))
 REGISTRY.register(Placement("reward-to-go+loss", in_reward=True, in_loss=True, fill="right", reward_span="to-go"))
 REGISTRY.register(Placement("reward-token", in_reward=True, in_loss=False, fill="top", reward_span="token"))
+REGISTRY.register(Placement("reward-centred", in_reward=True, in_loss=False, fill="full", centred=True))
 
 KL_PLACEMENTS = tuple(p.name for p in REGISTRY if p.in_reward or p.in_loss)  # every placement with a KL term

@@ -1,11 +1,14 @@
 """Each RL library's default KL configuration, as a named objective: one registration each.
 
 A preset sets what the library decides about the KL term: the estimator, where it goes, its clamps,
-the weight on the KL loss, the coefficient, and the mismatch correction where the library turns one
-on by default. Everything else (the advantage, the aggregation, PPO's clip) stays the run's own, so
-that presets compare on one footing; `notes` says where the library's own choice differs. Every
-fact was read from the library's source at the commit given (`source`); docs/peers.md has the
-table and what each preset's gradient is (`python -m trainer audit --presets`).
+the weight on the KL loss and its aggregation, the coefficient, and the mismatch correction where the
+library turns one on by default; and, where the KL's meaning depends on them, the advantage (the
+libraries that put the KL in per-token rewards whiten it with the return) and the policy gradient's ratio
+(TRL's RLOO clips a sequence ratio). Everything else (the advantage elsewhere, the aggregation, PPO's
+clip) stays the run's own, so that presets compare on one footing; `notes` says where the library's own
+choice differs. The Comedy paper's own runs (`paper-*`) set their whole objective. Every fact was read
+from the source at the commit given (`source`); docs/peers.md has the table and what each preset's
+gradient is (`python -m trainer audit --presets`).
 
 In a run config, `objective: {preset: verl, beta: 0.1}` is verl's configuration at beta 0.1: the
 preset's values fill in the keys not given beside it, and `preset` stays in the config as a label.
@@ -14,6 +17,7 @@ In Python, `objective("verl", beta=0.1)`. Free of torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
@@ -71,8 +75,21 @@ SLIME = Source("THUDM/slime", "624b824a898ab0ec1fcb4d373004c7f3852bf515",
 SKYRL = Source("NovaSky-AI/SkyRL", "a9564572eb8e91076be43c1bd5e4615e3de17265",
                ("skyrl/backends/skyrl_train/utils/ppo_utils.py", "skyrl/backends/skyrl_train/workers/worker.py",
                 "skyrl/train/config/config.py"))
+NEMO_RL_REWARD = Source("NVIDIA-NeMo/RL", "7ea279abfbeb698b092856d0dab61e7cf39bc909",
+                        ("nemo_rl/algorithms/advantage_estimator.py", "nemo_rl/algorithms/utils.py",
+                         "nemo_rl/algorithms/grpo.py", "examples/configs/grpo_math_1B.yaml"))
 OPEN_INSTRUCT = Source("allenai/open-instruct", "e6c3044aa6201c8bfa4573c1b03142af599e730d",
                        ("open_instruct/grpo_utils.py", "open_instruct/model_utils.py", "open_instruct/grpo_fast.py"))
+
+PAPER_COMMIT = "59c2f8ae923123afaa42c801c33ffb5e2c4e51cc"
+PAPER_CODE = ("src/zeroband/training/loss.py", "src/zeroband/train.py", "src/zeroband/training/config.py",
+              "multinode_launch.sh")
+
+
+def paper_source(config: str) -> Source:
+    """The Comedy paper's prime-rl fork at the commit of its KL runs, with the run's config file."""
+    return Source("bbartoldson/tba-prime", PAPER_COMMIT, (*PAPER_CODE, config))
+
 
 K3_LOSS = {"estimator": "k3", "placement": "loss", "kl_loss_ratio": "none"}
 CLAMPS_20_10 = {"kl_log_ratio_clamp": 20.0, "kl_value_clamp": 10.0}
@@ -92,18 +109,25 @@ REGISTRY.register(Preset(
     "its '+' and raises NotImplementedError, so verl itself cannot run k3+ yet."))
 REGISTRY.register(Preset(
     "verl-reward", "verl",
-    "algorithm.use_kl_in_reward=true, kl_penalty=kl, kl_ctrl.type=fixed, kl_ctrl.kl_coef=0.001",
-    {"estimator": "k1", "placement": "reward-to-go", "reward_kl": "sampler", "beta": 0.001}, VERL,
-    "Per-token rewards from the sampler's log-probs (old_log_probs); returned by GAE and REINFORCE++ (to go, "
-    "as here), but summed over the response by GRPO and RLOO (placement reward). kl_ctrl.type=adaptive "
-    "(target_kl 0.1, horizon 10000) is objective.kl_target and kl_horizon."))
+    "algorithm.use_kl_in_reward=true, kl_penalty=kl, kl_ctrl.kl_coef=0.001, adv_estimator=gae (gamma = lam = 1)",
+    {"estimator": "k1", "placement": "reward-to-go", "reward_kl": "sampler", "beta": 0.001,
+     "advantage": "reinforce-whiten"}, VERL,
+    "Per-token rewards from the sampler's log-probs (old_log_probs), returned and whitened over the batch's tokens "
+    "with the task reward (masked_whiten, core_algos.py:261 for GAE, :615 for REINFORCE++): with no critic, GAE is "
+    "the return. A critic's values, subtracted before the whitening, are not modelled. reinforce_plus_plus_baseline "
+    "sums the KL over the response, subtracts the group mean and whitens (placement reward, advantage "
+    "drgrpo-whiten); GRPO and RLOO sum it and do not whiten (placement reward). kl_ctrl.type=adaptive (target_kl "
+    "0.1, horizon 10000) is objective.kl_target and kl_horizon."))
 REGISTRY.register(Preset(
     "openrlhf", "OpenRLHF",
-    "--algo.kl.estimator k1 --algo.kl.init_coef 0.01 (KL in the reward unless --algo.kl.use_loss)",
+    "--algo.kl.estimator k1 --algo.kl.init_coef 0.01 --algo.advantage.estimator gae (KL in the reward unless "
+    "--algo.kl.use_loss)",
     {"estimator": "k1", "placement": "reward-to-go", "kl_value_clamp": 10.0, "reward_kl": "sampler",
-     "beta": 0.01}, OPENRLHF,
-    "compute_approx_kl clamps every estimate to +-10; compute_reward puts it per token and get_cumulative_returns "
-    "returns it, the baseline (rloo, reinforce_baseline, group_norm) applying to the task reward only. "
+     "beta": 0.01, "advantage": "reinforce-whiten-pop"}, OPENRLHF,
+    "compute_approx_kl clamps every estimate to +-10; compute_reward puts it per token, the returns carry it, and "
+    "gae (the default, gamma = lambd = 1; with no critic, the return), reinforce and reinforce_baseline whiten the "
+    "advantages over the batch's tokens with the population variance (reinforce_baseline after subtracting the "
+    "group mean of R: drgrpo-whiten-pop); rloo, group_norm and dr_grpo do not whiten (their baselines on R only). "
     "--algo.kl.target with --algo.kl.horizon makes the coefficient adaptive."))
 REGISTRY.register(Preset(
     "trl-grpo", "TRL GRPOTrainer",
@@ -121,8 +145,11 @@ REGISTRY.register(Preset(
 REGISTRY.register(Preset(
     "trl-rloo", "TRL RLOOTrainer",
     "beta=0.05: k1 summed over the response, subtracted from the reward",
-    {"estimator": "k1", "placement": "reward", "reward_kl": "sampler", "beta": 0.05}, TRL_RLOO,
-    "From old_per_token_logps, the policy that sampled."))
+    {"estimator": "k1", "placement": "reward", "reward_kl": "sampler", "beta": 0.05, "advantage": "rloo",
+     "pg_ratio": "sequence", "clip_eps": 0.2, "loss_agg": "seq-mean-token-sum"}, TRL_RLOO,
+    "The KL from old_per_token_logps, the policy that sampled. The policy loss is sequence-level: the ratio "
+    "exp(sum_t log pi - old_logps) PPO-clipped at epsilon 0.2 and averaged over sequences "
+    "(rloo_trainer.py:1686-1695); normalize_advantages is off by default."))
 REGISTRY.register(Preset(
     "nemo-rl", "NeMo-RL",
     "loss_fn: reference_policy_kl_type=k3, reference_policy_kl_penalty=0.01, kl_input_clamp_value=20, "
@@ -130,12 +157,23 @@ REGISTRY.register(Preset(
     {**K3_LOSS, **CLAMPS_20_10, "kl_loss_ratio": "score", "beta": 0.01}, NEMO_RL,
     "The KL loss is weighted by exp(logp - sg(logp)), 1 in value; the output clamp bounds the weighted value, "
     "and the weight is detached where the input clamp binds (as klstudy clamps a weighted KL loss). "
-    "use_kl_in_reward (REINFORCE++) gives each token its own KL (placement reward-token)."))
+    "use_kl_in_reward with REINFORCE++ is preset nemo-rl-reward."))
 REGISTRY.register(Preset(
     "nemo-rl-on-policy-kl", "NeMo-RL",
     "the same with use_on_policy_kl_approximation=true",
     {**K3_LOSS, **CLAMPS_20_10, "kl_loss_ratio": "engine", "beta": 0.01}, NEMO_RL,
     "The weight is exp(logp - generation_logprobs), differentiable: pi over the engine's own distribution."))
+REGISTRY.register(Preset(
+    "nemo-rl-reward", "NeMo-RL",
+    "adv_estimator.name=reinforce_plus_plus, minus_baseline=true, loss_fn.use_kl_in_reward=true, "
+    "reference_policy_kl_type=k3, reference_policy_kl_penalty=0.01",
+    {"estimator": "k3", "placement": "reward-token", **CLAMPS_20_10, "reward_kl": "sampler", "beta": 0.01,
+     "advantage": "drgrpo-whiten-pop"}, NEMO_RL_REWARD,
+    "ReinforcePlusPlusAdvantageEstimator (advantage_estimator.py:193-267): R minus its group mean, minus each "
+    "token's own KL (not returned), calculate_kl with its default clamps (input 20, output 10) on the sampler's "
+    "log-probs (prev_logprobs): k3, not k1. Then whitened over the batch's tokens with the population variance. The "
+    "loss's KL coefficient is 0 with use_kl_in_reward. With the default estimator, grpo, the KL is dropped: no KL "
+    "at all (as slime-grpo-reward-kl)."))
 REGISTRY.register(Preset(
     "slime", "slime",
     "--use-kl-loss --kl-loss-type low_var_kl --kl-loss-coef 0.00 (as its example scripts)",
@@ -153,15 +191,68 @@ REGISTRY.register(Preset(
 REGISTRY.register(Preset(
     "skyrl", "SkyRL",
     "trainer.algorithm.use_kl_loss=true, kl_estimator_type=k3, kl_loss_coef=0.001",
-    {**K3_LOSS, **CLAMPS_20_10, "beta": 0.001}, SKYRL,
-    "Only k3 is clamped. use_kl_in_reward instead puts it per token (summed by GRPO and RLOO, returned by "
-    "REINFORCE++ and GAE), and only then is kl_ctrl.type=adaptive used."))
+    {**K3_LOSS, **CLAMPS_20_10, "beta": 0.001, "kl_loss_agg": "seq-mean-token-mean"}, SKYRL,
+    "Only k3 is clamped. The KL loss is averaged per response, then over responses (worker.py:1077), whatever "
+    "the policy loss's loss_reduction (token_mean by default, config.py:876): kl_loss_agg seq-mean-token-mean. "
+    "use_kl_in_reward instead puts it per token (summed by GRPO and RLOO, returned by REINFORCE++ and GAE), "
+    "and only then is kl_ctrl.type=adaptive used."))
 REGISTRY.register(Preset(
     "open-instruct", "open-instruct",
-    "grpo_fast: beta=0.05, kl_estimator=2; use_rho_correction=true (rho clamped to [0, 2])",
-    {**K3_LOSS, "kl_log_ratio_clamp": 40.0, "beta": 0.05, "tis_cap": 2.0}, OPEN_INSTRUCT,
-    "kl_estimator=3 is ratio x k1 (the differentiable ratio on k1). ref_policy_update_freq with alpha 0.6 "
-    "(Polyak) is objective.ref_refresh_every and ref_refresh_alpha."))
+    "grpo_fast: beta=0.05, kl_estimator=2; use_rho_correction=true (log rho clamped to [-10, 10], rho to [0, 2])",
+    {**K3_LOSS, "kl_log_ratio_clamp": 40.0, "beta": 0.05, "tis_cap": 2.0, "tis_floor": math.exp(-10.0)},
+    OPEN_INSTRUCT,
+    "compute_rho_correction clamps log rho to [-10, 10] before exponentiating (grpo_utils.py:418-420), so the "
+    "weight never falls below e^-10 (tis_floor). kl_estimator=3 is ratio x k1 (the differentiable ratio on k1). "
+    "ref_policy_update_freq with alpha 0.6 (Polyak) is objective.ref_refresh_every and ref_refresh_alpha."))
+
+# "A Comedy of Estimators", off-policy (async level 10, beta 0.005): its prime-rl fork's objectives. The fork's
+# "trajectory balance" loss (tba_loss) is a policy gradient with the advantage R - log Z, log Z the mean reward of
+# the prompt's 16 samples (train.py: logZ_list): drgrpo's. The token ratio pi / mu (mu recomputed by the trainer,
+# recompute_logprobs) is clamped to [0, 8], differentiable, with no PPO clip. Each response's loss is its token
+# sum divided by its length (normalize_batch_to_token_count, micro_bs 1), then averaged: seq-mean-token-mean,
+# except that the fork's length counts the prompt's tokens too. get_token_kl clamps k1 and k3 to +-10.
+PAPER_TB = {"advantage": "drgrpo", "ratio_cap": 8.0, "clip_eps": None, "loss_agg": "seq-mean-token-mean"}
+PAPER_NOTES = ("The fork divides each response's token sum by its whole length, prompt included; klstudy by its "
+               "response's. ")
+PAPER_REWARD = ("The KL in the reward is each response's KL under the policy being updated (detached), minus its "
+                "group's mean KL under the behaviour policy (mean_KL, from the recomputed log-probs): placement "
+                "reward-centred, reward_kl current. ")
+for estimator in ("k1", "k3"):
+    REGISTRY.register(Preset(
+        f"paper-{estimator}-reward", "A Comedy of Estimators",
+        f"type=tb, kl_type={estimator}, kl_loc=reward, beta=0.005, async_level=10",
+        {**PAPER_TB, "estimator": estimator, "placement": "reward-centred", "reward_kl": "current",
+         "kl_value_clamp": 10.0, "beta": 0.005},
+        paper_source(f"MATH_experiments/KL{estimator}r_qwen_b005_async10"), PAPER_REWARD + PAPER_NOTES))
+    REGISTRY.register(Preset(
+        f"paper-{estimator}-loss", "A Comedy of Estimators",
+        f"type=tb, kl_type={estimator}, kl_loc=loss, beta=0.005, async_level=10",
+        {**PAPER_TB, "estimator": estimator, "placement": "loss", "kl_loss_ratio": "none", "kl_value_clamp": 10.0,
+         "beta": 0.005},
+        paper_source(f"MATH_experiments/KL{estimator}l_qwen_b005_async10"),
+        "beta x the clamped per-token KL added to each token's loss, with no importance weight. " + PAPER_NOTES))
+REGISTRY.register(Preset(
+    "paper-grpo", "A Comedy of Estimators",
+    "type=ratio (clip_ratio 8), no KL, async_level=10",
+    {**PAPER_TB, "estimator": "k1", "placement": "none", "beta": 0.0},
+    paper_source("MATH_experiments/GRPO_qwen_async10"),
+    "The paper's GRPO: grpo_loss_ratio, the token ratio clamped to [0, 8] on the inference side's dr_grpo "
+    "advantages (rewards.py, advantage_estimation_method); the config file is at 71c17168. " + PAPER_NOTES))
+REGISTRY.register(Preset(
+    "paper-icepop", "A Comedy of Estimators",
+    "type=icepop (mask_ratio_low 0.125, mask_ratio_high 8, kl_tau 0), no KL, async_level=10",
+    {**PAPER_TB, "ratio_floor": 0.125, "ratio_mode": "mask", "estimator": "k1", "placement": "none", "beta": 0.0},
+    paper_source("MATH_experiments/IcePop_qwen_async10"),
+    "icepop_loss: tokens whose ratio pi / mu leaves [0.125, 8] are dropped; the config file is at e0fe44ae. "
+    + PAPER_NOTES))
+REGISTRY.register(Preset(
+    "paper-k1-reward-reset50", "A Comedy of Estimators",
+    "type=tb (k1 in the reward), beta=0.005, reference reset every 50 steps (reset=50), async_level=10",
+    {**REGISTRY["paper-k1-reward"].values, "ref_refresh_every": 50},
+    paper_source("MATH_experiments/TBA_qwen_b005_async10_reset50_IS"),
+    "grpo.reference_reset_interval 50: the reference becomes a copy of the policy (copy_model_weights_fsdp). The "
+    "config file and its loss (grpo_loss_tb: k1 in the reward, importance-sampled) are at 71c17168. "
+    + PAPER_REWARD + PAPER_NOTES))
 
 NAMES = REGISTRY.names
 

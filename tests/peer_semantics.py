@@ -1,0 +1,255 @@
+"""Each preset's library, as its source computes the loss: written here from the sources' semantics (no peer code
+is copied), in their own order of operations (per-token rewards, returns, whitening, clamps, weights), to check
+`trainer.objective.presets` against by value and gradient (tests/test_presets_fidelity.py).
+
+Every function takes one batch, `Batch`, and returns the loss that its library minimises, with the parts a preset
+leaves to the run (the advantage, PPO's clip, the aggregation) as `RUN` sets them: RLOO, clip 0.2, token-mean.
+Sources, at the commits trainer/objective/presets.py cites:
+
+- verl: verl/trainer/ppo/core_algos.py (kl_penalty, compute_reinforce_plus_plus_outcome_advantage,
+  compute_gae_advantage_return), verl/utils/torch_functional.py (masked_whiten), ray_trainer.py (apply_kl_penalty)
+- OpenRLHF: openrlhf/models/utils.py (compute_approx_kl, compute_reward),
+  openrlhf/trainer/ppo_utils/experience_maker.py (compute_advantages_and_returns)
+- TRL: trl/trainer/grpo_trainer.py (_compute_loss, the vLLM importance sampling), trl/trainer/rloo_trainer.py
+- NeMo-RL: nemo_rl/algorithms/utils.py (calculate_kl), advantage_estimator.py (ReinforcePlusPlusAdvantageEstimator)
+- slime: slime/utils/ppo_utils.py (compute_approx_kl, low_var_kl)
+- SkyRL: skyrl/backends/skyrl_train/workers/worker.py:1077 (the KL loss per sequence)
+- open-instruct: open_instruct/grpo_utils.py (compute_rho_correction)
+- the Comedy paper's fork, bbartoldson/tba-prime@59c2f8ae: src/zeroband/training/loss.py (tba_loss, get_token_kl,
+  grpo_loss_ratio, icepop_loss, _apply_mask), src/zeroband/train.py (logZ and mean_KL per group of 16)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+RUN = {"advantage": "rloo", "clip_eps": 0.2, "loss_agg": "token-mean"}  # the run's own parts, where a preset is silent
+EPS = 0.2
+
+
+@dataclass(frozen=True)
+class Batch:
+    logp: Tensor     # [B, T] log pi_theta, with grad
+    ref: Tensor      # [B, T] log pi_ref
+    old: Tensor      # [B, T] log mu, the policy that sampled, as the trainer computes it
+    engine: Tensor   # [B, T] the rollout engine's log-probs
+    rewards: Tensor  # [B]
+    mask: Tensor     # [B, T]
+    group: int
+
+
+def fixed_batch() -> Batch:
+    """Two groups of two responses of up to four tokens, where every clamp of every preset binds somewhere: log-ratios
+    to the reference of -25 and +45 (beyond 20 and 40), k3 values above 10 at l = -3.5, k1 values above 10 at
+    l = +12, token ratios to mu of e^3 and e^-3 (beyond [0.125, 8]) and some beyond PPO's 0.2, sequence ratios beyond
+    TRL's clip, engine ratios of e^-12 (below open-instruct's e^-10) and e^1 (above its 2)."""
+    d = torch.float64
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=d)
+    ref = torch.tensor([[-1.0, -46.0, -2.0, -0.7], [-13.5, -1.2, -0.3, -1.0],
+                        [-0.4, -2.2, -1.0, -1.0], [-0.9, -1.5, -0.2, -2.5]], dtype=d)
+    l = torch.tensor([[-25.0, 45.0, 0.3, -0.2], [12.0, -3.5, 0.1, 0.0],
+                      [0.5, 0.25, 0.0, 0.0], [-0.6, 1.1, -0.05, 2.0]], dtype=d)
+    logp = (ref + l).clamp(max=-1e-3)
+    to_mu = torch.tensor([[0.1, 3.0, -0.3, 0.05], [-3.0, 0.25, 0.1, 0.0],
+                          [0.15, -0.1, 0.0, 0.0], [2.2, 0.5, -0.4, 0.1]], dtype=d)  # log pi / mu
+    old = logp - to_mu
+    to_engine = torch.tensor([[-12.0, 0.0, 1.0, 0.1], [0.2, -0.1, 0.0, 0.0],
+                              [0.05, 1.2, 0.0, 0.0], [-0.3, 0.0, 0.2, -11.0]], dtype=d)  # log mu / engine
+    engine = old - to_engine
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0], dtype=d)
+    return Batch(logp.clone().requires_grad_(), ref, old, engine, rewards, mask, 2)
+
+
+# --- building blocks, each as the sources compute it ---------------------------------------------------------------
+
+def group_mean(x: Tensor, g: int) -> Tensor:
+    return x.view(-1, g).mean(1, keepdim=True).expand(-1, g).reshape(-1)
+
+
+def rloo(x: Tensor, g: int) -> Tensor:
+    groups = x.view(-1, g)
+    return (groups - (groups.sum(1, keepdim=True) - groups) / (g - 1)).reshape(-1)
+
+
+def ppo(b: Batch, adv: Tensor) -> Tensor:
+    """-min(r A, clip(r) A) per token, r = pi / mu; adv [B] or [B, T]."""
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
+    ratio = torch.exp(b.logp - b.old)
+    return torch.maximum(-ratio * adv, -ratio.clamp(1 - EPS, 1 + EPS) * adv)
+
+
+def token_mean(x: Tensor, m: Tensor) -> Tensor:
+    return (x * m).sum() / m.sum()
+
+
+def seq_mean_token_mean(x: Tensor, m: Tensor) -> Tensor:
+    return ((x * m).sum(-1) / m.sum(-1)).mean()
+
+
+def returns(token_rewards: Tensor, m: Tensor) -> Tensor:
+    """sum_{s >= t} r_s, gamma 1, resetting after each response's end."""
+    out, running = torch.zeros_like(token_rewards), torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + running
+        out[:, t] = running
+        running = running * m[:, t]
+    return out
+
+
+def at_last_token(r: Tensor, m: Tensor) -> Tensor:
+    last = m.sum(-1).long() - 1
+    out = torch.zeros_like(m)
+    out[torch.arange(m.shape[0]), last] = r
+    return out
+
+
+def whiten_verl(x: Tensor, m: Tensor) -> Tensor:
+    """masked_whiten: masked_mean divides by (count + 1e-8); the unbiased variance; rsqrt(var + 1e-8)."""
+    mean = (x * m).sum() / (m.sum() + 1e-8)
+    var = ((x - mean) ** 2 * m).sum() / (m.sum() + 1e-8) * (m.sum() / (m.sum() - 1))
+    return (x - mean) * torch.rsqrt(var + 1e-8)
+
+
+def whiten_population(x: Tensor, m: Tensor) -> Tensor:
+    """OpenRLHF's and NeMo-RL's: the population variance, rsqrt(max(var, 1e-8))."""
+    mean = (x * m).sum() / m.sum()
+    var = ((x - mean) ** 2 * m).sum() / m.sum()
+    return (x - mean) * var.clamp(min=1e-8).rsqrt()
+
+
+def k3_of(neg_log_ratio: Tensor) -> Tensor:
+    """exp(log_r) - 1 - log_r with log_r = log pi_ref - log pi (the sources' spelling)."""
+    return torch.exp(neg_log_ratio) - 1 - neg_log_ratio
+
+
+# --- the libraries ---------------------------------------------------------------------------------------------------
+
+def verl(b: Batch, beta: float, plus: bool = False) -> Tensor:
+    kl = (b.ref - b.logp).clamp(-20, 20)              # low_var_kl
+    value = k3_of(kl).clamp(-10, 10)
+    if plus:                                           # k3+: k2's gradient, the value detached
+        k2 = 0.5 * (b.logp - b.ref) ** 2
+        value = k2 - k2.detach() + value.detach()
+    return token_mean(ppo(b, rloo(b.rewards, b.group)), b.mask) + beta * token_mean(value, b.mask)
+
+
+def verl_reward(b: Batch, beta: float) -> Tensor:
+    """use_kl_in_reward, kl_penalty kl (old - ref), GAE with no critic (gamma = lam = 1): the return, whitened."""
+    token_rewards = at_last_token(b.rewards, b.mask) - beta * (b.old - b.ref) * b.mask
+    adv = whiten_verl(returns(token_rewards, b.mask), b.mask) * b.mask
+    return token_mean(ppo(b, adv), b.mask)
+
+
+def openrlhf(b: Batch, beta: float) -> Tensor:
+    kl = (b.old - b.ref).clamp(-10, 10)
+    token_rewards = -beta * kl * b.mask + at_last_token(b.rewards, b.mask)
+    adv = whiten_population(returns(token_rewards, b.mask), b.mask)
+    return token_mean(ppo(b, adv), b.mask)
+
+
+def trl_grpo(b: Batch, beta: float, bias_corrected: bool = False) -> Tensor:
+    seq = torch.exp(((b.old - b.engine) * b.mask).sum(-1, keepdim=True))  # vllm sequence_mask, clip_max 3
+    is_weight = seq.masked_fill(seq > 3.0, 0.0)
+    kl = k3_of(b.ref - b.logp)
+    if bias_corrected:
+        kl = kl * torch.exp(b.logp - b.old)
+    per_token = ppo(b, rloo(b.rewards, b.group)) * is_weight + beta * kl
+    return token_mean(per_token, b.mask)
+
+
+def trl_rloo(b: Batch, beta: float) -> Tensor:
+    shaped = b.rewards - beta * ((b.old - b.ref) * b.mask).sum(-1)
+    adv = rloo(shaped, b.group)
+    w = torch.exp((b.logp * b.mask).sum(-1) - (b.old * b.mask).sum(-1))
+    return (-torch.minimum(w * adv, w.clamp(1 - EPS, 1 + EPS) * adv)).mean()
+
+
+def nemo_kl(b: Batch, weight: Tensor | None) -> Tensor:
+    """calculate_kl(k3, input clamp 20, output clamp 10, importance weights)."""
+    logr = b.ref - b.logp
+    clamped = logr.clamp(-20, 20)
+    kl = k3_of(clamped)
+    if weight is not None:
+        kl = torch.where(logr == clamped, weight, weight.detach()) * kl
+    return kl.clamp(-10, 10)
+
+
+def nemo_rl(b: Batch, beta: float, engine: bool = False) -> Tensor:
+    weight = torch.exp(b.logp - b.engine) if engine else torch.exp(b.logp - b.logp.detach())
+    return token_mean(ppo(b, rloo(b.rewards, b.group)), b.mask) + beta * token_mean(nemo_kl(b, weight), b.mask)
+
+
+def nemo_rl_reward(b: Batch, beta: float) -> Tensor:
+    """REINFORCE++ with minus_baseline: R - group mean, minus each token's own KL of prev_logprobs, whitened."""
+    kl = k3_of((b.ref - b.old).clamp(-20, 20)).clamp(-10, 10)
+    adv = (b.rewards - group_mean(b.rewards, b.group)).unsqueeze(-1).expand_as(b.mask) - beta * kl
+    return token_mean(ppo(b, whiten_population(adv, b.mask)), b.mask)
+
+
+def slime(b: Batch, beta: float) -> Tensor:
+    value = k3_of(b.ref - b.logp).clamp(-10, 10)       # low_var_kl: only the value is clamped
+    return token_mean(ppo(b, rloo(b.rewards, b.group)), b.mask) + beta * token_mean(value, b.mask)
+
+
+def slime_grpo(b: Batch, beta: float) -> Tensor:
+    return token_mean(ppo(b, rloo(b.rewards, b.group)), b.mask)  # the reward KL is dropped
+
+
+def skyrl(b: Batch, beta: float) -> Tensor:
+    value = k3_of((b.ref - b.logp).clamp(-20, 20)).clamp(-10, 10)
+    return token_mean(ppo(b, rloo(b.rewards, b.group)), b.mask) + beta * seq_mean_token_mean(value, b.mask)
+
+
+def open_instruct(b: Batch, beta: float) -> Tensor:
+    diff = (b.logp - b.ref).clamp(-40, 40)
+    rho = torch.exp((b.old - b.engine).clamp(-10, 10)).clamp(max=2.0)
+    per_token = ppo(b, rloo(b.rewards, b.group)) * rho
+    return token_mean(per_token, b.mask) + beta * token_mean(k3_of(-diff), b.mask)
+
+
+def _fork_kl(kind: str, logp: Tensor, ref: Tensor, m: Tensor) -> Tensor:
+    """get_token_kl on masked log-probs: k1 = l, k3 = r - log r - 1, each clamped to +-10."""
+    logp, ref = logp * m, ref * m
+    value = logp - ref if kind == "k1" else k3_of(ref - logp)
+    return value.clamp(-10, 10)
+
+
+def paper(b: Batch, beta: float, kind: str | None, where: str | None) -> Tensor:
+    """tba_loss: advantage R - log Z (log Z the group's mean reward), the token ratio clamped to [0, 8], each response's
+    token sum over its length (_apply_mask with max_tokens its length), averaged over responses."""
+    adv = b.rewards - group_mean(b.rewards, b.group)
+    if where == "reward":
+        current = _fork_kl(kind, b.logp.detach(), b.ref, b.mask).sum(-1)
+        mean_kl = group_mean(_fork_kl(kind, b.old, b.ref, b.mask).sum(-1), b.group)  # train.py: kl_avg_list, mu's
+        adv = adv - beta * (current - mean_kl)
+    per_token = -torch.clamp(torch.exp(b.logp - b.old), 0, 8) * adv.unsqueeze(-1)
+    if where == "loss":
+        per_token = per_token + beta * _fork_kl(kind, b.logp, b.ref, b.mask)
+    return seq_mean_token_mean(per_token, b.mask)
+
+
+def paper_icepop(b: Batch, beta: float) -> Tensor:
+    ratio = torch.exp(b.logp - b.old)
+    keep = (ratio >= 0.125) & (ratio <= 8.0)
+    adv = (b.rewards - group_mean(b.rewards, b.group)).unsqueeze(-1)
+    return seq_mean_token_mean(torch.where(keep, -ratio * adv, 0.0), b.mask)
+
+
+LIBRARIES = {
+    "verl": verl, "verl-k3+": lambda b, beta: verl(b, beta, plus=True), "verl-reward": verl_reward,
+    "openrlhf": openrlhf, "trl-grpo": trl_grpo,
+    "trl-grpo-bias-corrected": lambda b, beta: trl_grpo(b, beta, bias_corrected=True), "trl-rloo": trl_rloo,
+    "nemo-rl": nemo_rl, "nemo-rl-on-policy-kl": lambda b, beta: nemo_rl(b, beta, engine=True),
+    "nemo-rl-reward": nemo_rl_reward, "slime": slime, "slime-grpo-reward-kl": slime_grpo, "skyrl": skyrl,
+    "open-instruct": open_instruct,
+    "paper-k1-reward": lambda b, beta: paper(b, beta, "k1", "reward"),
+    "paper-k3-reward": lambda b, beta: paper(b, beta, "k3", "reward"),
+    "paper-k1-loss": lambda b, beta: paper(b, beta, "k1", "loss"),
+    "paper-k3-loss": lambda b, beta: paper(b, beta, "k3", "loss"),
+    "paper-grpo": lambda b, beta: paper(b, beta, None, None),
+    "paper-icepop": paper_icepop,
+    "paper-k1-reward-reset50": lambda b, beta: paper(b, beta, "k1", "reward"),
+}
