@@ -219,7 +219,7 @@ def test_a_training_job_past_its_time_limit_is_requeued_and_resumes(slurm, tmp_p
     config["run"]["train"].update(steps=steps, prompts_per_step=16, group_size=4)
     config["run"]["checkpoint"]["every"] = 5
     config["resources"]["train"] = {"runtime": 2}
-    target = f"results/runs/{SMALL_RUNS[0]}/COMPLETE"  # training only: its requeues are the point
+    target = f"results/.jobs/train/{SMALL_RUNS[0]}.done"  # training only: its requeues are the point
     result = snakemake(tmp_path, write_config(tmp_path, config), *SLURM, "--submitit-signal-delay", "60",
                        "--submitit-max-timeouts", "20", target, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]

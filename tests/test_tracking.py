@@ -475,7 +475,7 @@ def test_the_study_configs_tracking_uri_drives_the_training_jobs_followers(warm_
     config = live_study(tmp_path, warm_model, uri=uri)
     name = "toy__k1-reward__b0.1__s0"
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}")
-    done = subprocess.run([*SNAKEMAKE, f"results/runs/{name}/COMPLETE", "--directory", str(tmp_path), "--configfile",
+    done = subprocess.run([*SNAKEMAKE, f"results/.jobs/train/{name}.done", "--directory", str(tmp_path), "--configfile",
                            str(config)], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     children, parents = child_runs(uri, "live-uri")

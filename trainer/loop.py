@@ -82,6 +82,10 @@ class TrainingError(RuntimeError):
     """A run that cannot go on (for example too many non-finite updates in a row)."""
 
 
+class DirectoryTaken(ConfigError):
+    """--out holds a run started with another config: the run is someone else's, so nothing is written there."""
+
+
 class Preempted(Exception):
     """Raised after the checkpoint that SIGTERM asked for has been written."""
 
@@ -297,13 +301,13 @@ class Run:
                 self.lease = Lease.acquire(self.out)
                 self._check_or_write_config()
                 clear_failure(self.out)  # this attempt replaces the last one's record
-            except ValueError as error:  # ConfigError, LeaseHeld
+            except ValueError as error:  # ConfigError, LeaseHeld, DirectoryTaken
                 self.release()
-                problem = (isinstance(error, LeaseHeld), str(error))
+                problem = (type(error).__name__, str(error))
         problems = [p for p in self.world.gather(problem) if p]
         if problems:
-            held, message = problems[0]
-            raise (LeaseHeld if held else ConfigError)(message)
+            kind, message = problems[0]
+            raise {cls.__name__: cls for cls in (LeaseHeld, DirectoryTaken)}.get(kind, ConfigError)(message)
 
     def _check_or_write_config(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -312,7 +316,7 @@ class Run:
         if config_file.exists():
             changed = differences(wanted, as_saved(yaml.safe_load(config_file.read_text())))
             if changed:
-                raise ConfigError(f"--out {self.out} holds a run with a different config ({', '.join(changed)}); "
+                raise DirectoryTaken(f"--out {self.out} holds a run with a different config ({', '.join(changed)}); "
                                   "use another --out, or the same config to resume it")
         else:
             config_file.write_text(yaml.safe_dump(wanted, sort_keys=False))
@@ -801,15 +805,16 @@ def train(config: RunConfig, out_dir: Path) -> int:
                     log.warning("preempted at step %d; checkpoint written, exiting with %d", run.step,
                                 EXIT_PREEMPTED)
                     return EXIT_PREEMPTED
-                except (LeaseHeld, LeaseLost):
-                    raise  # the directory is another trainer's
+                except (LeaseHeld, LeaseLost, DirectoryTaken):
+                    raise  # the directory is another trainer's, or another run's: nothing is recorded in it
                 except Exception as error:
                     step = run.step if run is not None else None
+                    where = f"at step {step}" if step is not None else "before its first step"
                     if isinstance(error, (ValueError, TrainingError)):
-                        log.error("the run failed at step %s: %s", step, error)
+                        log.error("the run failed %s: %s", where, error)
                         reason = str(error)
                     else:  # a bug or a broken machine: the traceback goes into the run's log
-                        log.exception("the run failed at step %s", step)
+                        log.exception("the run failed %s", where)
                         reason = f"{type(error).__name__}: {error}"
                     if world.main:
                         record_failure(out_dir, reason, step)
