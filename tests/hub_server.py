@@ -238,6 +238,7 @@ if __name__ == "__main__":  # a hub for a rehearsal by hand: python tests/hub_se
     from smollm2_required import require_smollm2
 
     running = start(Path(sys.argv[1]).resolve(), mirror_tree(require_smollm2()))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop both servers on kill too
     print(f"HF_ENDPOINT={running.hub.endpoint}  (gated {GATED_ID}: HF_TOKEN={GATED_TOKEN}); Ctrl-C stops it",
           flush=True)
     try:
