@@ -12,7 +12,7 @@ DOCS_STAMP := $(VENV)/.klstudy-docs-installed
 # what its offline mode does (DEVELOPERS.md, "A hub server for tests: olah").
 OLAH ?= olah==0.5.4
 OLAH_VENV := .venv-olah
-OLAH_STAMP := $(OLAH_VENV)/.klstudy-installed
+OLAH_STAMP := $(OLAH_VENV)/.installed-$(OLAH)
 
 .PHONY: setup setup-vllm study study-offpolicy study-peers test test-fast docs
 

@@ -102,11 +102,12 @@ def free_port() -> int:
 
 
 def _seed_olah_cache(repos: Path, mirror: Path, served: dict[str, str]) -> None:
-    """Where each repository's `main` points, in olah's cache, as olah itself records it when it serves a
-    branch online. olah 0.5.4's offline mode resolves a branch only from this cache, never from the
-    mirror: without it, a path missing under `main` is answered 401 RepoNotFound instead of 404
-    EntryNotFound (transformers' tokenizer asks for `additional_chat_templates` and fails), and the
-    repository's info without a revision (/api/models/ORG/NAME) is 401 too."""
+    """Where each repository's `main` points, in olah's cache: resolved_commit.json as olah records it when
+    it serves a branch online, and meta_head.json in the plain form its reader accepts. olah 0.5.4's
+    offline mode resolves a branch only from this cache, never from the mirror: without it, a path
+    missing under `main` is answered 401 RepoNotFound instead of 404 EntryNotFound (transformers'
+    tokenizer asks for `additional_chat_templates` and fails), and the repository's info without a
+    revision (/api/models/ORG/NAME) is 401 too."""
     for repo, sha in served.items():
         kind, hub_id = repo.split("/", 1)
         revision = repos / "api" / kind / hub_id / "revision" / "main"
