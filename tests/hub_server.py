@@ -168,18 +168,29 @@ http {{
     return config
 
 
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-2000:] if log.is_file() else f"(no {log})"
+
+
+def _spawn(command: list[str], log: Path, env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
 def _wait(url: str, process: subprocess.Popen, log: Path, what: str, timeout: float = 60) -> None:
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # whatever proxy this shell has
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}: {log.read_text()[-2000:]}")
+            raise RuntimeError(f"{what} exited with {process.returncode}: {_tail(log)}")
         try:
-            with urllib.request.urlopen(url, timeout=5) as response:
+            with direct.open(url, timeout=5) as response:
                 if response.status == 200:
                     return
         except (OSError, urllib.error.URLError):
             time.sleep(0.2)
-    raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s: {log.read_text()[-2000:]}")
+    raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s: {_tail(log)}")
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -212,18 +223,14 @@ def start(work: Path, mirror: Path) -> Running:
     olah_port, port = free_port(), free_port()
     env = {**no_network(dict(os.environ)), "PYTHONUNBUFFERED": "1"}
     processes = []
+    probe = f"api/models/{MODEL_ID}/revision/main"
     try:
-        log = work / "olah.log"
-        processes.append(subprocess.Popen(
-            [str(OLAH), "--config", str(_olah_config(work, olah_port, mirror)), "--log-path", str(work / "logs")],
-            cwd=work, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True))
-        probe = f"api/models/{MODEL_ID}/revision/main"
-        _wait(f"http://127.0.0.1:{olah_port}/{probe}", processes[0], log, "olah")
-        log = work / "nginx.log"
-        processes.append(subprocess.Popen(
-            [NGINX, "-p", str(work), "-c", str(_nginx_config(work, port, olah_port, GATED_ID)),
-             "-e", str(work / "nginx-error.log")],
-            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True))
+        olah = [str(OLAH), "--config", str(_olah_config(work, olah_port, mirror)), "--log-path", str(work / "logs")]
+        processes.append(_spawn(olah, work / "olah.log", env, work))
+        _wait(f"http://127.0.0.1:{olah_port}/{probe}", processes[0], work / "olah.log", "olah")
+        nginx = [NGINX, "-p", str(work), "-c", str(_nginx_config(work, port, olah_port, GATED_ID)),
+                 "-e", str(work / "nginx-error.log")]
+        processes.append(_spawn(nginx, work / "nginx.log", env, work))
         _wait(f"http://127.0.0.1:{port}/{probe}", processes[1], work / "nginx-error.log", "nginx")
     except BaseException:
         for process in reversed(processes):
