@@ -26,7 +26,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -44,7 +44,8 @@ NO_NETWORK = "http://127.0.0.1:9"
 @dataclass(frozen=True)
 class Hub:
     """A running hub. `endpoint` is what HF_ENDPOINT gets; `commits` maps "models/ORG/NAME" and
-    "datasets/ORG/NAME" to the commit its `main` serves."""
+    "datasets/ORG/NAME" to the commit its `main` serves; `logs` holds olah's and nginx's logs (nginx's
+    access log: one line per request)."""
 
     endpoint: str
     mirror: Path
@@ -53,7 +54,7 @@ class Hub:
     stand_ins: tuple[str, ...] = STAND_INS
     gated_id: str = GATED_ID
     token: str = GATED_TOKEN
-    logs: Path = field(default=Path("."))
+    logs: Path | None = None
 
     def env(self, hf_home: Path, offline: bool = False, base: dict[str, str] | None = None) -> dict[str, str]:
         """An environment for a client process: HF_ENDPOINT (this hub), HF_HOME (`hf_home`, where the
