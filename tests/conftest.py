@@ -1,6 +1,7 @@
 """Shared fixtures: a toy model and a warmed-up toy model, built once per test session; a pair of
 float64 models a little apart; a model whose tokens are confident, with completions it sampled;
-SmolLM2-135M-Instruct, a real model, imported once into the cache."""
+SmolLM2-135M-Instruct, a real model, imported once into the cache; a real hub server serving it and the
+paper's data sets on 127.0.0.1."""
 
 import copy
 import os
@@ -49,6 +50,21 @@ def smollm2():
     from smollm2_required import require_smollm2
 
     return require_smollm2()
+
+
+@pytest.fixture(scope="session")
+def hub(request, tmp_path_factory):
+    """A real Hugging Face hub on 127.0.0.1 for the session (tests/hub_server.py): olah in its offline mode
+    behind nginx, serving SmolLM2-135M-Instruct as `hub.model_id` and as each of the paper's models
+    (`hub.stand_ins`, `hub.gated_id` only with `hub.token`), and the paper's data sets in their real
+    layouts. Clients get it through `hub.env(hf_home)` (HF_ENDPOINT=`hub.endpoint`)."""
+    from hub_mirror import mirror_tree
+    from hub_server import require_hub, start
+
+    require_hub()
+    running = start(tmp_path_factory.mktemp("hub"), mirror_tree(request.getfixturevalue("smollm2")))
+    yield running.hub
+    running.stop()
 
 
 @pytest.fixture
