@@ -40,9 +40,17 @@ def snapshot(runs: list[Path]) -> dict[str, tuple[str, int]]:
             for run in runs for path in run.rglob("*") if path.is_file() and ".mlflow" not in path.parts}
 
 
+def run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A Snakemake command that must succeed; if it does not, its own words end the benchmark."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return done
+
+
 def measure(code: Path, config: dict, directory: Path) -> dict[str, float]:
     snakemake = [sys.executable, "-m", "snakemake", "--snakefile", str(code / "Snakefile"), "--profile",
-                 str(REPO / "profiles" / "local"), "--cores", "2", "--directory", str(directory)]
+                 str(code / "profiles" / "local"), "--cores", "2", "--directory", str(directory)]
     env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS="1")
     study = directory / "study.yaml"
     study.write_text(yaml.safe_dump(config))
@@ -63,19 +71,18 @@ def measure(code: Path, config: dict, directory: Path) -> dict[str, float]:
     process.wait()
     before = snapshot(finished)
     attempts = {r: (r / "metrics.jsonl").stat().st_mtime_ns for r in finished}
-    subprocess.run([*snakemake, "--configfile", str(study)], env=env, check=True, capture_output=True)
+    run([*snakemake, "--configfile", str(study)], env)
     after = snapshot(finished)
     rewritten = sum(after.get(path) != seen for path, seen in before.items())
     reopened = sum((r / "metrics.jsonl").stat().st_mtime_ns != mtime for r, mtime in attempts.items())
 
     config["grid"]["seeds"] = [*config["grid"]["seeds"], max(config["grid"]["seeds"]) + 1]
     study.write_text(yaml.safe_dump(config))
-    dry = subprocess.run([*snakemake, "--configfile", str(study), "-n", "--quiet", "rules"], env=env, check=True,
-                         capture_output=True, text=True)
+    dry = run([*snakemake, "--configfile", str(study), "-n", "--quiet", "rules"], env)
     counts = {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, re.M)}
     planned = sum(n for rule, n in counts.items() if rule.startswith(("train", "evaluate")))
     start = os.times()
-    subprocess.run([*snakemake, "--configfile", str(study)], env=env, check=True, capture_output=True)
+    run([*snakemake, "--configfile", str(study)], env)
     cpu = sum(os.times()[2:4]) - sum(start[2:4])
     return {"finished_at_kill": len(finished), "rewritten": rewritten, "reopened": reopened, "planned": planned,
             "cpu_s": round(cpu, 1)}
