@@ -199,7 +199,7 @@ class Expansion:
                                  f"placement; leave grid.{key} out")
         raw = []
         for m, b, x, s in itertools.product(models, betas, combos, seeds):
-            spec = presets.REGISTRY[x[PRESET]].values
+            spec = presets.expand({"preset": x[PRESET]})
             raw.append((m, None, "none", None, s, x) if spec["placement"] == "none" else
                        (m, spec["estimator"], spec["placement"], b, s, x))
         return raw

@@ -183,10 +183,11 @@ def _section(cls: type, data: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     _reject_unknown(cls, data, prefix)
-    if cls is ObjectiveConfig and data.get("preset") is not None:  # the preset's values under the keys given
-        if data["preset"] not in presets.REGISTRY:
-            raise ConfigError(f"objective.preset: {data['preset']!r} is not one of {', '.join(presets.NAMES)}")
-        data = presets.expand(data)
+    if cls is ObjectiveConfig:  # the preset's values under the keys given
+        try:
+            data = presets.expand(data)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     values = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in data.items()}
     try:
         return cls(**values)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, REWARD_KL_POLICIES, TIS_LEVELS, TIS_MODES
 from trainer.objective import advantages, estimators, placements, presets
@@ -265,6 +266,11 @@ class ObjectiveConfig:
             raise ValueError(f"ObjectiveConfig.entropy_coef: must be a finite number >= 0, got {self.entropy_coef!r}")
         if self.preset is not None:
             _choice("preset", self.preset, presets.REGISTRY.names)
+
+    @classmethod
+    def of_preset(cls, name: str, **overrides: Any) -> "ObjectiveConfig":
+        """The objective of preset `name`, with `overrides` (beta, the advantage, ...) on top."""
+        return cls(**presets.expand({"preset": name, **overrides}))
 
     @property
     def kl_in_reward(self) -> bool:
