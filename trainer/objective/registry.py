@@ -53,3 +53,8 @@ class Registry(Generic[Spec]):
     def order(self, name: str) -> int:
         """A name's position (for sorting); unknown names last."""
         return self.names.index(name) if name in self._specs else len(self._specs)
+
+
+def theory_note(function: object) -> str:
+    """A registered function's theory note: its docstring, as one paragraph."""
+    return " ".join((getattr(function, "__doc__", None) or "").split())
