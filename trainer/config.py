@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from trainer.choices import ENGINES, HF_DECODINGS, LR_SCHEDULES, MIXED_PRECISIONS, TASK_NAMES
-from trainer.objective import presets
+from trainer.objective import advantages, presets
 from trainer.objective.objective_config import ObjectiveConfig
 
 
@@ -242,11 +242,10 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
     if v.timeout <= 0:
         raise ConfigError(f"verifier.timeout: must be > 0, got {v.timeout}")
-    needs_pairs = config.objective.advantage == "rloo" or (config.objective.advantage == "grpo"
-                                                             and config.objective.grpo_scale)
-    if needs_pairs and t.group_size < 2:
-        raise ConfigError(f"train.group_size: advantage {config.objective.advantage} needs group_size >= 2, "
-                          f"got {t.group_size}")
+    try:
+        advantages.check_group_size(config.objective.advantage, t.group_size, grpo_scale=config.objective.grpo_scale)
+    except ValueError as error:
+        raise ConfigError(f"train.group_size: {error}") from None
     if config.objective.needs_full_kl and t.logprob_chunk == 0:
         raise ConfigError(f"train.logprob_chunk: estimator {config.objective.estimator} computes the KL over the "
                           "vocabulary a chunk of tokens at a time; set a chunk > 0 (0 would build [B, T, V] logits)")
