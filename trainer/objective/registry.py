@@ -1,9 +1,11 @@
-"""A registry of the choices along one axis of the objective (estimators, placements, advantages).
+"""A registry of the choices along one axis of the objective (estimators, placements, advantages, the
+ratios, the aggregations).
 
-Each choice is registered once, as a spec that holds everything about it: its implementation, what
-it needs, its theory and how reports draw it. The config's choices, the study's checks, the audit's
-rows, the logged statistics and the figures all read the registry, so a new choice is one
-registration plus its theory and tests. Free of torch: run configs validate in milliseconds.
+Each choice is registered once, as a spec that holds everything the trainer needs about it: its
+implementation, what it needs and its theory. The config's choices, the study's checks, the audit's
+rows and the logged statistics all read the registry, so a new choice is one registration plus its
+theory and tests (how figures draw it is the report's: sweep.styles). Free of torch: run configs
+validate in milliseconds.
 """
 
 from __future__ import annotations
