@@ -23,6 +23,8 @@ class LossAgg:
     name: str
     reduce: Callable[..., Tensor]  # (masked [B, T], mask [B, T], rows, tokens, norm_length) -> scalar
     needs_norm_length: bool = False  # reads objective.norm_length
+    sums_tokens: bool = False  # its gradient is the token sums' itself, under which KL_THEORY.md is exact (else,
+                               # with responses of one length, a constant times it: the audit's verdict "scaled")
 
     @property
     def theory(self) -> str:
@@ -40,7 +42,7 @@ def register(name: str, **options: Any) -> Callable[[Callable[..., Tensor]], Cal
     return add
 
 
-@register("seq-mean-token-sum")
+@register("seq-mean-token-sum", sums_tokens=True)
 def seq_mean_token_sum(masked: Tensor, mask: Tensor, rows: Any, tokens: Any, norm_length: int | None) -> Tensor:
     """The mean over responses of their token sums: the aggregation under which KL_THEORY.md's
     identities are exact."""
