@@ -21,7 +21,7 @@ from sweep.runs import RunRecord
 from sweep.table import OBJECTIVE_COLUMNS, REFERENCE, Group, extra_axes
 from trainer.audits.optimum import frontier, optimal_kl, optimal_reward, optimal_value, reference_value
 from trainer.objective import estimators
-from trainer.objective.placements import KL_PLACEMENTS
+from trainer.objective.placements import kl_placements
 
 CURVES = ("reward_mean", "kl_k3", "entropy", "response_length")
 # styles by name (sweep.styles); the reward-against-KL figure: marker = estimator, fill = placement, colour = beta
@@ -298,7 +298,7 @@ def _reward_vs_kl(mine: list[RunRecord], histograms: list, title: str, path: Pat
             ax.plot([], [], marker=styles.estimator_marker(estimator), color="black", linestyle="none",
                     label=estimator)
     shown_placements = {label.partition("-")[2] for _, label in groups}
-    for placement in KL_PLACEMENTS:
+    for placement in kl_placements():
         if placement in shown_placements:
             ax.plot([], [], marker="o", fillstyle=styles.placement_fill(placement), color="black", linestyle="none",
                     label=f"KL in the {placement}")

@@ -162,7 +162,7 @@ def test_the_report_styles_every_registered_choice_and_any_other_name():
     from trainer.objective import estimators, placements
 
     assert set(styles.ESTIMATORS) == set(estimators.REGISTRY.names)
-    assert set(styles.PLACEMENT_FILLS) == set(placements.KL_PLACEMENTS)
+    assert set(styles.PLACEMENT_FILLS) == set(placements.kl_placements())
     assert (styles.estimator_color("k1"), styles.estimator_marker("k1")) == ("tab:blue", "o")
     plugin = (styles.estimator_color("my-k4"), styles.estimator_marker("my-k4"))
     assert plugin in styles.SPARE_ESTIMATORS and plugin == (styles.estimator_color("my-k4"),

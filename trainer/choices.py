@@ -2,15 +2,10 @@
 
 `trainer.config` validates with these alone, so that a study validates every run's config in
 milliseconds before Snakemake builds its DAG. The objective's axes (estimators, placements,
-advantages, the ratios and the aggregations) are registries (`trainer.objective.registry`):
-ObjectiveConfig reads their names from them.
+advantages, the ratios and the aggregations) are registries (`trainer.objective.registry`), read
+when asked, never here: a plugin registers into them (`trainer.objective.plugins`).
 """
 
-from trainer.objective import advantages, estimators, placements
-
-ESTIMATORS = estimators.REGISTRY.names
-PLACEMENTS = placements.REGISTRY.names
-ADVANTAGES = advantages.REGISTRY.names
 REWARD_KL_POLICIES = ("sampler", "current")
 TIS_MODES = ("truncate", "mask")
 TIS_LEVELS = ("token", "sequence", "geometric")

@@ -91,5 +91,14 @@ REGISTRY.register(Estimator(
             ("reward-to-go+loss", "none"): "unbiased", ("reward-token", "none"): "zero",
             ("reward-centred", "none"): "biased"}))
 
-SAMPLED_ESTIMATORS = tuple(e.name for e in REGISTRY if e.inputs == SAMPLED)
-LOGGED_ESTIMATORS = tuple(e.name for e in REGISTRY if e.inputs == SAMPLED and e.logged)  # kl_<name> statistics
+
+
+def sampled_estimators() -> tuple[str, ...]:
+    """The estimators computed from the sampled tokens' log-probs, read from the registry when asked (so that a
+    plugin's count, whenever it registers)."""
+    return tuple(e.name for e in REGISTRY if e.inputs == SAMPLED)
+
+
+def logged_estimators() -> tuple[str, ...]:
+    """The sampled estimators whose values are logged as kl_<name> statistics."""
+    return tuple(e.name for e in REGISTRY if e.inputs == SAMPLED and e.logged)

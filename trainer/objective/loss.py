@@ -16,13 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer.choices import PLACEMENTS
 from trainer.objective import advantages, kl, loss_aggs, pg_terms, placements, whitening
 from trainer.objective.engine_weights import engine_weights
 from trainer.objective.kl_terms import centred_kl, kl_loss_term, kl_loss_weight, kl_reward_span, reward_kl
 from trainer.objective.objective_config import ObjectiveConfig
 
-__all__ = ["PLACEMENTS", "Advantages", "ObjectiveConfig", "advantage_stats",
+__all__ = ["Advantages", "ObjectiveConfig", "advantage_stats",
            "aggregate", "batch_advantages", "combine_stats", "compute_loss", "policy_loss", "reward_kl"]
 
 # How combine_stats pools each statistic over a batch's parts (micro-batches, processes):
@@ -247,7 +246,7 @@ def _stats(logp: Tensor, ref_logp: Tensor, ratio: Tensor, clipped: Tensor, maskf
     sampled-token estimator (kl_k1, ...), and by `full` where the exact token KL was computed."""
     n_tokens = maskf.sum().clamp(min=1)
     sequence_kls = {f"kl_{name}": (kl.estimate(name, logp.detach(), ref_logp) * maskf).sum(dim=-1)
-                    for name in kl.LOGGED_ESTIMATORS}
+                    for name in kl.logged_estimators()}
     if token_kl is not None:
         sequence_kls["kl_full"] = (token_kl.detach().to(maskf.dtype) * maskf).sum(dim=-1)
     tokens = maskf.bool()

@@ -65,4 +65,8 @@ REGISTRY.register(Placement("reward-to-go+loss", in_reward=True, in_loss=True, r
 REGISTRY.register(Placement("reward-token", in_reward=True, in_loss=False, reward_span="token"))
 REGISTRY.register(Placement("reward-centred", in_reward=True, in_loss=False, centred=True))
 
-KL_PLACEMENTS = tuple(p.name for p in REGISTRY if p.in_reward or p.in_loss)  # every placement with a KL term
+
+
+def kl_placements() -> tuple[str, ...]:
+    """Every placement with a KL term, read from the registry when asked (so that a plugin's count)."""
+    return tuple(p.name for p in REGISTRY if p.in_reward or p.in_loss)

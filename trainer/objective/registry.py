@@ -40,7 +40,10 @@ class Registry(Generic[Spec]):
             raise ValueError(f"unknown {self.axis} {name!r}; choose one of {', '.join(self._specs)}") from None
 
     def __contains__(self, name: object) -> bool:
-        return name in self._specs
+        try:
+            return name in self._specs
+        except TypeError:  # an unhashable value (a list in a config) is no name
+            return False
 
     def __iter__(self) -> Iterator[Spec]:
         return iter(self._specs.values())
