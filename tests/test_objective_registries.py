@@ -56,7 +56,7 @@ def test_a_new_ratio_gets_its_own_audit_rows(monkeypatch):
         """beta * 0.5 * k: half the coefficient (a plugin's weight)."""
         return 0.5 * ratio.detach() / ratio.detach()
 
-    pg_ratios.register("token-again")(pg_ratios.token)
+    pg_ratios.register("token-again")(pg_ratios.token_ratio)
     rows = {(r.label, r.sampling): r for r in peers_audit.additions_audit(seeds=(0,), progress=False)
             if r.label in ("k3 loss, half", "token-again ratio")}
     assert set(rows) == {("k3 loss, half", "on-policy"), ("k3 loss, half", "off-policy"),

@@ -61,8 +61,8 @@ def _bound(ratio: Tensor, config: Any) -> tuple[Tensor, Tensor | None]:
 
 
 @register("token")
-def token(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, config: Any, sequence: Tensor | None
-          ) -> PolicyGradient:
+def token_ratio(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, config: Any, sequence: Tensor | None
+                ) -> PolicyGradient:
     """PPO's per-token ratio rho_t = pi_theta / mu, differentiable: -rho_t A per token, the ratio bounded
     (ratio_cap, ratio_floor, ratio_mode), PPO-clipped with clip_eps, then bounded by the dual clip
     (clip_ratio_c). What the RL libraries do; biased for responses of more than one token."""
@@ -89,8 +89,8 @@ def token(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, config: Any, 
 
 
 @register("sequence", sequence=True)
-def whole(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, config: Any, sequence: Tensor | None
-          ) -> PolicyGradient:
+def sequence_ratio(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, config: Any, sequence: Tensor | None
+                ) -> PolicyGradient:
     """The detached sequence ratio w = pi(y) / mu(y) on every token's score, sg(w) A grad log pi_t: exactly
     unbiased (REINFORCE with importance sampling) when the advantage's baseline is a mean of rewards (not
     grpo's std scaling). The value -w A is spread over the response's tokens. With clip_eps, w is
