@@ -54,7 +54,7 @@ def test_a_new_ratio_gets_its_own_audit_rows(monkeypatch):
     @kl_loss_ratios.register("half")
     def half(logp, ratio, sequence, engine_logp):
         """beta * 0.5 * k: half the coefficient (a plugin's weight)."""
-        return 0.5 * ratio.detach() / ratio.detach()
+        return ratio.detach().new_full(ratio.shape, 0.5)
 
     pg_ratios.register("token-again")(pg_ratios.token_ratio)
     rows = {(r.label, r.sampling): r for r in peers_audit.additions_audit(seeds=(0,), progress=False)

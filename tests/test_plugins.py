@@ -1,5 +1,6 @@
 """Objectives that extend from outside: a package's entry point in `klstudy.objectives` registers choices
-that every registry reader then sees (trainer.objective.plugins)."""
+that every registry reader then sees (trainer.objective.plugins). The package is the one
+docs/guides/own_objective.md shows."""
 
 from __future__ import annotations
 
@@ -10,25 +11,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-PLUGIN = '''
-from trainer.objective import estimators, loss_aggs
-
-estimators.REGISTRY.register(estimators.Estimator("k1x3", "3 l", formula=lambda lr, bound: 3 * lr))
-
-
-@loss_aggs.register("batch-sum")
-def batch_sum(masked, mask, rows, tokens, norm_length):
-    """The batch's token sum."""
-    return masked.sum()
-'''
+GUIDE = REPO / "docs" / "guides" / "own_objective.md"
+PLUGIN = GUIDE.read_text().split("```python\n", 1)[1].split("```", 1)[0]  # the guide's package, my_objectives.py
 
 CHECK = '''
 from trainer.objective import estimators, plugins
 from trainer.objective.objective_config import ObjectiveConfig
 
 print(plugins.load(), plugins.load())
-print("k1x3" in estimators.sampled_estimators())
-print(ObjectiveConfig(estimator="k1x3", loss_agg="batch-sum").loss_agg)
+print("k1x2" in estimators.sampled_estimators())
+print(ObjectiveConfig(estimator="k1x2", placement="loss", kl_loss_ratio="half", loss_agg="batch-sum").loss_agg)
 '''
 
 
