@@ -28,8 +28,14 @@ from sweep.grid import StudyError
 from sweep.plan import plan
 from sweep.study_check import check_study, preflight
 from trainer.launch import train_command
+from trainer.objective import plugins
 
 min_version("9.0")
+
+try:
+    plugins.load()  # the objectives packages register (trainer.objective.plugins), before any registry is read
+except plugins.PluginError as error:
+    raise WorkflowError(str(error)) from None
 
 
 # The toy study unless --configfile names another (Snakemake would otherwise merge the two).

@@ -15,6 +15,13 @@ log = logging.getLogger("sweep")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.objective import plugins
+
+    try:
+        plugins.load()  # before any registry is read: a plugin's names are valid in every study config
+    except plugins.PluginError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="python -m sweep", description="klstudy's study level")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("track", help="sync run directories into MLflow (idempotent)",

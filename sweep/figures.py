@@ -16,19 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from sweep import axes
+from sweep import axes, styles
 from sweep.runs import RunRecord
 from sweep.table import OBJECTIVE_COLUMNS, REFERENCE, Group, extra_axes
 from trainer.audits.optimum import frontier, optimal_kl, optimal_reward, optimal_value, reference_value
-from trainer.objective import estimators, placements
-from trainer.objective.placements import KL_PLACEMENTS
+from trainer.objective import estimators
+from trainer.objective.placements import kl_placements
 
 CURVES = ("reward_mean", "kl_k3", "entropy", "response_length")
-# as the trainer's registries draw them; the reward-against-KL figure: marker = estimator, fill = placement,
-# colour = beta
-ESTIMATOR_COLORS = {spec.name: spec.color for spec in estimators.REGISTRY}
-ESTIMATOR_MARKERS = {spec.name: spec.marker for spec in estimators.REGISTRY}
-PLACEMENT_FILLS = {spec.name: spec.fill for spec in placements.REGISTRY if spec.name in KL_PLACEMENTS}
+# styles by name (sweep.styles); the reward-against-KL figure: marker = estimator, fill = placement, colour = beta
 
 
 def _pyplot():
@@ -135,7 +131,7 @@ def curves_figures(records: list[RunRecord], out: Path) -> list[Path]:
                 ax = grid[row][column]
                 for estimator, runs in by_estimator.items():
                     mean, low, high = _mean_curve(runs, key)
-                    color = ESTIMATOR_COLORS.get(estimator)
+                    color = styles.estimator_color(estimator)
                     ax.plot(range(len(mean)), mean, color=color, label=estimator)
                     ax.fill_between(range(len(mean)), low, high, color=color, alpha=0.15)
                 if baseline:
@@ -294,16 +290,18 @@ def _reward_vs_kl(mine: list[RunRecord], histograms: list, title: str, path: Pat
         color = "gray" if beta is None else colors[float(beta)]
         estimator, _, placement = label.partition("-")
         ax.errorbar(statistics.fmean(kls), statistics.fmean(rewards), xerr=_spread(kls), yerr=_spread(rewards),
-                    marker=ESTIMATOR_MARKERS.get(estimator, "X"), fillstyle=PLACEMENT_FILLS.get(placement, "full"),
+                    marker=styles.estimator_marker(estimator), fillstyle=styles.placement_fill(placement),
                     markersize=7, color=color, capsize=2, linestyle="none", elinewidth=0.7)
     shown = {label.partition("-")[0] for _, label in groups}
-    for estimator, marker in ESTIMATOR_MARKERS.items():  # the key to the markers, in black
+    for estimator in estimators.REGISTRY.names:  # the key to the markers, in black
         if estimator in shown:
-            ax.plot([], [], marker=marker, color="black", linestyle="none", label=estimator)
-    placements = {label.partition("-")[2] for _, label in groups}
-    for placement, fill in PLACEMENT_FILLS.items():
-        if placement in placements:
-            ax.plot([], [], marker="o", fillstyle=fill, color="black", linestyle="none", label=f"KL in the {placement}")
+            ax.plot([], [], marker=styles.estimator_marker(estimator), color="black", linestyle="none",
+                    label=estimator)
+    shown_placements = {label.partition("-")[2] for _, label in groups}
+    for placement in kl_placements():
+        if placement in shown_placements:
+            ax.plot([], [], marker="o", fillstyle=styles.placement_fill(placement), color="black", linestyle="none",
+                    label=f"KL in the {placement}")
     if any(beta is None for beta, _ in groups):
         ax.plot([], [], marker="X", color="gray", linestyle="none", label="no KL")
     heights = [r for _, _, r in curve] + [statistics.fmean(m["reward"] for m in ms) for ms in groups.values()]

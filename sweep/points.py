@@ -24,8 +24,10 @@ from typing import Any
 
 from sweep import axes as coords
 from sweep.checks import StudyError, known, listed, mapping, merge, number, with_keys
-from trainer.choices import ESTIMATORS, PLACEMENTS
 from trainer.objective import presets
+from trainer.objective.estimators import REGISTRY as ESTIMATORS
+from trainer.objective.placements import REGISTRY as PLACEMENTS
+from trainer.objective.placements import kl_placements
 
 GRID_KEYS = coords.STANDARD
 PRESET = "objective.preset"  # an axis that sets each point's estimator and placement
@@ -126,17 +128,17 @@ def check_axis_values(key: str, values: Any, where: str, base: dict[str, Any],
 
 
 def _standard(grid: dict[str, Any]) -> tuple[list, list, list, list, bool]:
-    estimators = listed(grid.get("estimators", list(ESTIMATORS)))
-    placements = listed(grid.get("placements", list(PLACEMENTS[1:])))
+    estimators = listed(grid.get("estimators", list(ESTIMATORS.names)))
+    placements = listed(grid.get("placements", list(kl_placements())))
     betas = [float(number(b, f"grid.betas[{i}]", minimum=0)) for i, b in enumerate(listed(grid.get("betas")))]
     seeds = [number(s, f"grid.seeds[{i}]", integer=True, minimum=0)
              for i, s in enumerate(listed(grid.get("seeds", [0])))]
     for i, name in enumerate(estimators):
         if name not in ESTIMATORS:
-            raise StudyError(f"grid.estimators[{i}]: {name!r} is not one of {', '.join(ESTIMATORS)}")
+            raise StudyError(f"grid.estimators[{i}]: {name!r} is not one of {', '.join(ESTIMATORS.names)}")
     for i, name in enumerate(placements):
-        if name not in PLACEMENTS[1:]:
-            raise StudyError(f"grid.placements[{i}]: {name!r} is not one of {', '.join(PLACEMENTS[1:])} "
+        if name not in kl_placements():
+            raise StudyError(f"grid.placements[{i}]: {name!r} is not one of {', '.join(kl_placements())} "
                              "(the no-KL baseline comes from grid.baseline)")
     if placements and estimators and not betas:
         raise StudyError("grid.betas: at least one beta is required for the KL placements")
@@ -199,7 +201,7 @@ class Expansion:
                                  f"placement; leave grid.{key} out")
         raw = []
         for m, b, x, s in itertools.product(models, betas, combos, seeds):
-            spec = presets.REGISTRY[x[PRESET]].values
+            spec = presets.expand({"preset": x[PRESET]})
             raw.append((m, None, "none", None, s, x) if spec["placement"] == "none" else
                        (m, spec["estimator"], spec["placement"], b, s, x))
         return raw
@@ -246,7 +248,7 @@ class Expansion:
                     raise StudyError(f"{key}.model: {name!r} is not one of the study's models ({', '.join(models)})")
             for placement in values["placement"] or [None]:
                 if placement not in PLACEMENTS:
-                    raise StudyError(f"{key}.placement: {placement!r} is not one of {', '.join(PLACEMENTS)}")
+                    raise StudyError(f"{key}.placement: {placement!r} is not one of {', '.join(PLACEMENTS.names)}")
                 if placement == "none":
                     raw += [(m, None, "none", None, s, x)
                             for m, x, s in itertools.product(values["model"], combos, values["seed"])]
@@ -255,7 +257,7 @@ class Expansion:
                     raise StudyError(f"{key}: a KL placement needs estimator and beta")
                 for e in values["estimator"]:
                     if e not in ESTIMATORS:
-                        raise StudyError(f"{key}.estimator: {e!r} is not one of {', '.join(ESTIMATORS)}")
+                        raise StudyError(f"{key}.estimator: {e!r} is not one of {', '.join(ESTIMATORS.names)}")
                 betas = [float(number(b, f"{key}.beta", minimum=0)) for b in values["beta"]]
                 raw += [(m, e, placement, b, s, x) for m, e, b, x, s in
                         itertools.product(values["model"], values["estimator"], betas, combos, values["seed"])]

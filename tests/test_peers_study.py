@@ -10,6 +10,7 @@ from sweep.grid import StudyError, load_study
 from sweep.table import Cell, Group, _mark_significance
 from trainer import config as run_config
 from trainer.objective import presets
+from trainer.objective.objective_config import ObjectiveConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,7 +23,7 @@ def study(**grid) -> dict:
 
 def test_every_preset_is_a_valid_objective_that_cites_where_it_was_read():
     for preset in presets.REGISTRY:
-        objective = presets.objective(preset.name)
+        objective = ObjectiveConfig.of_preset(preset.name)
         assert objective.preset == preset.name
         assert all(getattr(objective, key) == value for key, value in preset.values.items())
         assert len(preset.source.commit) == 40 and preset.source.files and preset.settings
@@ -75,7 +76,7 @@ def test_the_presets_study_builds_on_the_toy_study():
 
 
 def test_a_key_a_preset_sets_is_no_axis_of_its_own():
-    configs = [{"model": {"path": "m"}, "objective": presets.objective(name, beta=1.0).__dict__}
+    configs = [{"model": {"path": "m"}, "objective": ObjectiveConfig.of_preset(name, beta=1.0).__dict__}
                for name in ("verl", "nemo-rl", "trl-rloo")]
     assert axes.extra_axes(configs) == ["objective.preset"]  # not kl_loss_ratio, the clamps, ...
 

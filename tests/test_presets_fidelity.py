@@ -11,6 +11,7 @@ from rounding import assert_equal_to_rounding
 
 from trainer.objective import presets
 from trainer.objective.loss import compute_loss
+from trainer.objective.objective_config import ObjectiveConfig
 
 BETA = 0.1  # every preset at one beta, so that the KL term counts even where the library's default is 0
 
@@ -18,7 +19,7 @@ BETA = 0.1  # every preset at one beta, so that the KL term counts even where th
 def klstudy(name: str, batch, beta: float = BETA):
     """The preset's loss, its gradient and statistics on `batch`, with RUN's values for what the preset leaves open."""
     run = {key: value for key, value in RUN.items() if key not in presets.REGISTRY[name].keys}
-    config = presets.objective(name, beta=beta, **run)
+    config = ObjectiveConfig.of_preset(name, beta=beta, **run)
     loss, stats = compute_loss(batch.logp, batch.ref, batch.old, batch.rewards, batch.mask, batch.group, config,
                                engine_logp=batch.engine)
     (grad,) = torch.autograd.grad(loss, batch.logp)
@@ -54,7 +55,7 @@ def test_each_preset_computes_its_librarys_loss_and_gradient_where_the_clamps_bi
     size = sizes(batch)
     assert_equal_to_rounding(loss, expected_loss, float(size.sum()), count=64, msg=f"{name}'s loss")
     assert_equal_to_rounding(grad, expected_grad, size, count=64, msg=f"{name}'s gradient")
-    config = presets.objective(name)
+    config = ObjectiveConfig.of_preset(name)
     # the batch makes each preset's bounds bind, so that the test pins them too
     if config.placement != "none" and (config.kl_log_ratio_clamp or config.kl_value_clamp):
         assert stats["kl_clamped_tokens"] > 0
@@ -71,7 +72,7 @@ def test_open_instructs_engine_weight_has_its_floor_of_e_to_the_minus_10():
     e^-12, the weight is e^-10, not e^-12."""
     from trainer.objective.engine_weights import engine_weights
 
-    config = presets.objective("open-instruct")
+    config = ObjectiveConfig.of_preset("open-instruct")
     old = torch.tensor([[-13.0, -1.0]], dtype=torch.float64)
     engine = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
     weights = engine_weights(old, engine, torch.ones(1, 2, dtype=torch.float64), config).weights

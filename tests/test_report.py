@@ -155,3 +155,16 @@ def test_any_axis_in_the_columns_and_a_bad_one_named(tmp_path):
     assert "| toy | 0.1 | none | 2 | k1 | 2 | **0.605 ± 0.007** | 0.355 ± 0.007* |" in by_placement  # reward: no ratio
     with pytest.raises(ValueError, match="--columns: 'seed' is not an axis of these runs"):
         report(results, columns=("seed",))
+
+
+def test_the_report_styles_every_registered_choice_and_any_other_name():
+    from sweep import styles
+    from trainer.objective import estimators, placements
+
+    assert set(styles.ESTIMATORS) == set(estimators.REGISTRY.names)
+    assert set(styles.PLACEMENT_FILLS) == set(placements.kl_placements())
+    assert (styles.estimator_color("k1"), styles.estimator_marker("k1")) == ("tab:blue", "o")
+    plugin = (styles.estimator_color("my-k4"), styles.estimator_marker("my-k4"))
+    assert plugin in styles.SPARE_ESTIMATORS and plugin == (styles.estimator_color("my-k4"),
+                                                           styles.estimator_marker("my-k4"))
+    assert styles.placement_fill("my-placement") == styles.DEFAULT_FILL

@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from trainer.choices import ADVANTAGES
+from trainer.objective import advantages, plugins
 
 log = logging.getLogger("trainer")
 
@@ -44,7 +44,7 @@ def _audit_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--group-size", type=int, default=2, help="samples per group (default 2)")
     g.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="random instances (default 0 1 2)")
     g.add_argument("--beta", type=float, default=0.1, help="KL coefficient (default 0.1)")
-    g.add_argument("--advantage", default="rloo", help=f"{'|'.join(ADVANTAGES)} (default rloo)")
+    g.add_argument("--advantage", default="rloo", help=f"{'|'.join(advantages.REGISTRY.names)} (default rloo)")
     g.add_argument("--tol", type=float, default=1e-6, help="relative tolerance of a verdict (default 1e-6)")
     g.add_argument("--clip-ratio-c", type=float, default=None,
                    help="audit under the dual clip with this bound (objective.clip_ratio_c; default off)")
@@ -402,6 +402,11 @@ def _run_train_runs(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        plugins.load()  # before any registry is read: a plugin's names are choices from the start
+    except plugins.PluginError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="python -m trainer", description="klstudy's RL trainer")
     sub = parser.add_subparsers(dest="command", required=True)
     _audit_parser(sub)

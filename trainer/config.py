@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from trainer.choices import ENGINES, HF_DECODINGS, LR_SCHEDULES, MIXED_PRECISIONS, TASK_NAMES
-from trainer.objective import presets
+from trainer.objective import advantages, presets
 from trainer.objective.objective_config import ObjectiveConfig
 
 
@@ -183,10 +183,11 @@ def _section(cls: type, data: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     _reject_unknown(cls, data, prefix)
-    if cls is ObjectiveConfig and data.get("preset") is not None:  # the preset's values under the keys given
-        if data["preset"] not in presets.REGISTRY:
-            raise ConfigError(f"objective.preset: {data['preset']!r} is not one of {', '.join(presets.NAMES)}")
-        data = presets.expand(data)
+    if cls is ObjectiveConfig:  # the preset's values under the keys given
+        try:
+            data = presets.expand(data)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     values = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in data.items()}
     try:
         return cls(**values)
@@ -241,11 +242,10 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
     if v.timeout <= 0:
         raise ConfigError(f"verifier.timeout: must be > 0, got {v.timeout}")
-    needs_pairs = config.objective.advantage == "rloo" or (config.objective.advantage == "grpo"
-                                                             and config.objective.grpo_scale)
-    if needs_pairs and t.group_size < 2:
-        raise ConfigError(f"train.group_size: advantage {config.objective.advantage} needs group_size >= 2, "
-                          f"got {t.group_size}")
+    try:
+        advantages.check_group_size(config.objective.advantage, t.group_size, grpo_scale=config.objective.grpo_scale)
+    except ValueError as error:
+        raise ConfigError(f"train.group_size: {error}") from None
     if config.objective.needs_full_kl and t.logprob_chunk == 0:
         raise ConfigError(f"train.logprob_chunk: estimator {config.objective.estimator} computes the KL over the "
                           "vocabulary a chunk of tokens at a time; set a chunk > 0 (0 would build [B, T, V] logits)")

@@ -21,7 +21,7 @@ from trainer.audits import tabular
 from trainer.audits.tabular import one_thread
 from trainer.objective import estimators, placements
 from trainer.objective.loss import ObjectiveConfig, compute_loss
-from trainer.objective.placements import KL_PLACEMENTS
+from trainer.objective.placements import kl_placements
 from trainer.progress import progress_bar
 
 
@@ -228,17 +228,17 @@ def audit_configs(only_estimators: tuple[str, ...] | None = None, only_placement
     """
     rows = []
     names = [e for e in estimators.REGISTRY.names if only_estimators is None or e in only_estimators]
-    kl_placements = [p for p in KL_PLACEMENTS if only_placements is None or p in only_placements]
+    with_kl = [p for p in kl_placements() if only_placements is None or p in only_placements]
     for estimator in names:
-        for placement in kl_placements:
+        for placement in with_kl:
             ratios = ("none", "differentiable") if _in_loss(placement) else ("none",)
             rows.extend(("on-policy", estimator, placement, ratio, "token") for ratio in ratios)
     for estimator in names:
-        for placement in kl_placements:
+        for placement in with_kl:
             ratios = ("none", "detached", "differentiable") if _in_loss(placement) else ("none",)
             rows.extend(("off-policy", estimator, placement, ratio, "token") for ratio in ratios)
     for estimator in names:
-        for placement in kl_placements:
+        for placement in with_kl:
             rows.append(("off-policy", estimator, placement, "sequence" if _in_loss(placement) else "none",
                          "sequence"))
     return rows

@@ -18,7 +18,7 @@ from trainer.audits import tabular
 from trainer.audits.tabular import one_thread
 from trainer.objective import estimators
 from trainer.objective.loss import ObjectiveConfig, compute_loss
-from trainer.objective.placements import KL_PLACEMENTS
+from trainer.objective.placements import kl_placements
 from trainer.progress import progress_bar
 
 
@@ -27,7 +27,7 @@ def on_policy_configs(beta: float, advantage: str) -> dict[str, ObjectiveConfig]
     (On-policy the sequence-level weights are exactly 1: they add no configuration here.)"""
     configs = {"none": ObjectiveConfig(placement="none", beta=beta, advantage=advantage)}
     for estimator in estimators.REGISTRY.names:
-        for placement in KL_PLACEMENTS:
+        for placement in kl_placements():
             configs[f"{estimator} {placement}"] = ObjectiveConfig(
                 estimator=estimator, placement=placement, beta=beta, advantage=advantage)
     return configs

@@ -5,7 +5,8 @@ Two parts here, all on `trainer.audits.audit`'s random tabular instances and thr
 - `additions_audit`: what each setting added to reproduce the peers differentiates (clamps, the
   KL-loss weights `engine` and `score`, the entropy bonus, the engine weights of the policy
   gradient), exactly, with the variance of one group's gradient; each case states the verdict
-  docs/peers.md derives, and the audit says whether it agrees.
+  docs/peers.md derives, and the audit says whether it agrees. Every registered aggregation gets a row, and
+  so does every registered ratio that the gradient audit leaves out (a plugin's).
 - `trainer.audits.presets_audit`: for each library's default (trainer.objective.presets), what its KL gradient
   is on-policy and off-policy (token ratios, as the libraries weight), and whether it is unbiased: the papers'
   Table 1, executable.
@@ -25,6 +26,7 @@ from torch import Tensor
 from trainer.audits import tabular
 from trainer.audits.audit import (
     AuditInstance,
+    audit_configs,
     cosine,
     expectation,
     group_gradients,
@@ -33,11 +35,12 @@ from trainer.audits.audit import (
     variance,
     verdict,
 )
-from trainer.objective import kl
+from trainer.objective import kl, kl_loss_ratios, loss_aggs, pg_ratios
 from trainer.objective.loss import ObjectiveConfig
 from trainer.progress import progress_bar
 
 SAMPLINGS = {"on-policy": (False, False), "off-policy": (True, False), "engine mismatch": (False, True)}
+NORM_LENGTH = 5  # seq-mean-token-sum-norm's constant in the aggregation rows
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,9 @@ def _base(**kwargs) -> ObjectiveConfig:
     return ObjectiveConfig(placement="none", advantage="rloo", reward_kl="current", **kwargs)
 
 
-def addition_cases(beta: float = 0.1) -> list[Case]:
-    """The settings added to reproduce the peers, each where its theory says something (docs/peers.md)."""
+def addition_cases(beta: float = 0.1, length: int = 2) -> list[Case]:
+    """The settings added to reproduce the peers, each where its theory says something (docs/peers.md); and
+    a row for every registered aggregation, and for every registered ratio the gradient audit leaves out."""
     none = _base(beta=beta)
     k3_loss = replace(none, estimator="k3", placement="loss")
     k1_to_go = replace(none, estimator="k1", placement="reward-to-go")
@@ -123,7 +127,35 @@ def addition_cases(beta: float = 0.1) -> list[Case]:
               ("sequence ratio, PPO-clipped at 0.2 (TRL RLOO)", {"pg_ratio": "sequence", "clip_eps": 0.2}, "")]
     cases += [Case("policy-gradient ratio", label, replace(none, **values), none, "off-policy", theory, scale="1")
               for label, values, theory in ratios]
+    cases += aggregation_cases(none, k3_loss, length)
+    return cases + unaudited_cases(cases, none, k3_loss)
+
+
+def aggregation_cases(none: ObjectiveConfig, k3_loss: ObjectiveConfig, length: int) -> list[Case]:
+    """A row for each registered aggregation: the k3 loss's part, on-policy. With responses of one length, an
+    aggregation other than the token sums' (KL_THEORY.md's) scales it by a constant (1 / length, or
+    1 / norm_length); at length 1 the audit states nothing."""
+    cases = []
+    for agg in loss_aggs.REGISTRY:
+        values = {"loss_agg": agg.name, "norm_length": NORM_LENGTH if agg.needs_norm_length else None}
+        theory = "per-prefix forward" if agg.sums_tokens else "scaled per-prefix forward" if length > 1 else ""
+        cases.append(Case("aggregation", f"k3 loss, {agg.name}", replace(k3_loss, **values), replace(none, **values),
+                          "on-policy", theory))
     return cases
+
+
+def unaudited_cases(cases: list[Case], none: ObjectiveConfig, k3_loss: ObjectiveConfig) -> list[Case]:
+    """A row for each registered KL-loss ratio and policy-gradient ratio that neither the gradient audit nor a
+    case above audits (a plugin's), with no stated theory: what it differentiates is in the audit all the same."""
+    configs = audit_configs()
+    seen_kl = {c[3] for c in configs} | {case.config.kl_loss_ratio for case in cases if case.config.kl_in_loss}
+    seen_pg = {c[4] for c in configs} | {case.config.pg_ratio for case in cases}
+    extra = [Case("KL-loss weight", f"k3 loss, {name}", replace(k3_loss, kl_loss_ratio=name), none, sampling, "")
+             for name in kl_loss_ratios.REGISTRY.names if name not in seen_kl
+             for sampling in ("on-policy", "off-policy")]
+    extra += [Case("policy-gradient ratio", f"{name} ratio", replace(none, pg_ratio=name), none, "off-policy", "",
+                   scale="1") for name in pg_ratios.REGISTRY.names if name not in seen_pg]
+    return extra
 
 
 def _targets(inst: AuditInstance) -> dict[str, Tensor]:
@@ -177,7 +209,7 @@ def _verdict(part: Tensor, targets: dict[str, Tensor], case: Case, tol: float) -
 def additions_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: tuple[int, ...] = (0, 1, 2),
                     beta: float = 0.1, tol: float = 1e-6, progress: bool | None = None) -> list[PartRow]:
     """Every addition case on every seed, aggregated as the gradient audit's rows are."""
-    cases = addition_cases(beta)
+    cases = addition_cases(beta, length)
     groups = tabular.SequenceSpace(vocab, length).groups(group_size)
     results: dict[int, list[dict[str, object]]] = {i: [] for i in range(len(cases))}
     bar = progress_bar(len(seeds) * len(cases), "peers audit", progress)

@@ -72,7 +72,8 @@ class PresetRow:
 
 def audited(preset: presets.Preset, beta: float) -> ObjectiveConfig:
     """The preset at the audit's beta, with RLOO unless it sets its own advantage."""
-    return presets.objective(preset.name, beta=beta, **({} if "advantage" in preset.keys else {"advantage": "rloo"}))
+    return ObjectiveConfig.of_preset(preset.name, beta=beta,
+                                     **({} if "advantage" in preset.keys else {"advantage": "rloo"}))
 
 
 def _agreed(values: list[str]) -> str:
@@ -117,7 +118,7 @@ def presets_audit(vocab: int = 3, length: int = 2, group_size: int = 2, seeds: t
 
 
 def _row(preset: presets.Preset, record: dict[str, list]) -> PresetRow:
-    config = presets.objective(preset.name)
+    config = ObjectiveConfig.of_preset(preset.name)
     clamps = ", ".join(f"{name} {value:g}" for name, value in (("log-ratio", config.kl_log_ratio_clamp),
                                                                 ("value", config.kl_value_clamp)) if value)
     tis = "-" if config.tis_cap is None else (f"{config.tis_level} {config.tis_mode} "

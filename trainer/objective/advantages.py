@@ -42,10 +42,15 @@ def _groups(rewards: Tensor, group_size: int) -> Tensor:
     return rewards.view(-1, group_size)
 
 
+def _check_pairs(name: str, group_size: int) -> None:
+    """The rule, stated once: a baseline from the others of a group, or the group's spread, needs two samples."""
+    if group_size < 2:
+        raise ValueError(f"advantage {name} needs group_size >= 2, got {group_size}")
+
+
 def rloo(rewards: Tensor, group_size: int) -> Tensor:
     """R_i minus the mean reward of the other members of its group (leave-one-out)."""
-    if group_size < 2:
-        raise ValueError(f"rloo needs group_size >= 2 (a leave-one-out baseline), got {group_size}")
+    _check_pairs("rloo", group_size)
     g = _groups(rewards, group_size)
     others_mean = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
     return (g - others_mean).reshape(-1)
@@ -64,8 +69,7 @@ def grpo(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-4
     """
     if not scale:
         return drgrpo(rewards, group_size)
-    if group_size < 2:
-        raise ValueError(f"grpo with std scaling needs group_size >= 2, got {group_size}")
+    _check_pairs("grpo", group_size)
     g = _groups(rewards, group_size)
     centred = g - g.mean(dim=1, keepdim=True)
     return (centred / (g.std(dim=1, keepdim=True) + eps)).reshape(-1)
@@ -91,6 +95,7 @@ class Advantage:
     compute: Callable[..., Tensor]  # (rewards [B], group_size, **options) -> [B]
     scope: str = "group"            # "group": reads its group only; "batch": every row of the minibatch
     scaled: bool = False            # takes grpo_scale (divide by the group std)
+    paired: bool = False            # needs two samples per group (with grpo_scale, when scaled)
     whiten: Whitening | None = None  # the combined per-token return whitened over the minibatch's tokens
     summary: str = ""
 
@@ -100,8 +105,8 @@ class Advantage:
 
 
 REGISTRY: Registry[Advantage] = Registry("advantage")
-REGISTRY.register(Advantage("rloo", rloo))
-REGISTRY.register(Advantage("grpo", grpo, scaled=True))
+REGISTRY.register(Advantage("rloo", rloo, paired=True))
+REGISTRY.register(Advantage("grpo", grpo, scaled=True, paired=True))
 REGISTRY.register(Advantage("drgrpo", drgrpo))
 REGISTRY.register(Advantage("reinforce", reinforce))
 REGISTRY.register(Advantage("reinforce++", reinforce_plus_plus, scope="batch"))
@@ -132,3 +137,11 @@ def compute(name: str, rewards: Tensor, group_size: int, *, grpo_scale: bool = T
     if spec.scaled:
         return spec.compute(rewards, group_size, scale=grpo_scale)
     return spec.compute(rewards, group_size)
+
+
+def check_group_size(name: str, group_size: int, *, grpo_scale: bool = True) -> None:
+    """A ValueError where estimator `name` cannot compute its advantages from groups of `group_size`:
+    what a run config checks before any model loads."""
+    spec = REGISTRY[name]
+    if spec.paired and (grpo_scale or not spec.scaled):
+        _check_pairs(name, group_size)

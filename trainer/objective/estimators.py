@@ -1,4 +1,4 @@
-"""The KL estimators: one registration each, with its formula, its inputs, its theory and its style.
+"""The KL estimators: one registration each, with its formula, its inputs and its theory.
 
 With the token log-ratio l = log pi_theta - log pi_ref of a sampled token (KL_THEORY.md):
 
@@ -43,8 +43,6 @@ class Estimator:
     # estimate: the formula's value, detached and clamped as configured, plus this term's gradient)
     gradient_of: Callable[[Any, float], Any] | None = None
     theory: dict[tuple[str, str], str] = field(default_factory=dict)
-    color: str = "tab:gray"
-    marker: str = "X"
 
     def __post_init__(self) -> None:
         if (self.formula is None) != (self.inputs == FULL):
@@ -58,15 +56,13 @@ REGISTRY.register(Estimator(
     theory={("reward", "none"): "unbiased", ("loss", "none"): "zero", ("reward+loss", "none"): "unbiased",
             ("loss", "differentiable"): "per-prefix reverse", ("reward-to-go", "none"): "unbiased",
             ("reward-to-go+loss", "none"): "unbiased", ("reward-token", "none"): "per-prefix reverse",
-            ("reward-centred", "none"): "scaled"},
-    color="tab:blue", marker="o"))
+            ("reward-centred", "none"): "scaled"}))
 REGISTRY.register(Estimator(
     "k2", "l^2 / 2", formula=lambda lr, bound: 0.5 * lr.square(),
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
             ("reward+loss", "none"): "biased", ("reward-to-go", "none"): "biased",
             ("reward-to-go+loss", "none"): "biased", ("reward-token", "none"): "biased",
-            ("reward-centred", "none"): "biased"},
-    color="tab:orange", marker="s"))
+            ("reward-centred", "none"): "biased"}))
 
 
 def _k3(lr, bound):
@@ -79,24 +75,30 @@ REGISTRY.register(Estimator(
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix forward",
             ("reward+loss", "none"): "unbiased", ("loss", "differentiable"): "per-prefix reverse",
             ("reward-to-go", "none"): "biased", ("reward-to-go+loss", "none"): "unbiased",
-            ("reward-token", "none"): "biased", ("reward-centred", "none"): "biased"},
-    color="tab:green", marker="^"))
+            ("reward-token", "none"): "biased", ("reward-centred", "none"): "biased"}))
 REGISTRY.register(Estimator(
     "k3+", "k3's value, k2's gradient", formula=_k3, gradient_of=lambda lr, bound: 0.5 * lr.square(), clamps=True,
     logged=False,
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
             ("reward+loss", "none"): "biased", ("reward-to-go", "none"): "biased",
             ("reward-to-go+loss", "none"): "biased", ("reward-token", "none"): "biased",
-            ("reward-centred", "none"): "biased"},
-    color="tab:olive", marker="v"))
+            ("reward-centred", "none"): "biased"}))
 REGISTRY.register(Estimator(
     "full", "sum_v pi(v) log(pi(v) / pi_ref(v))", inputs=FULL, token_dependent=False,
     theory={("reward", "none"): "biased", ("loss", "none"): "per-prefix reverse",
             ("reward+loss", "none"): "unbiased", ("loss", "differentiable"): "per-prefix reverse",
             ("reward+loss", "differentiable"): "unbiased", ("reward-to-go", "none"): "biased",
             ("reward-to-go+loss", "none"): "unbiased", ("reward-token", "none"): "zero",
-            ("reward-centred", "none"): "biased"},
-    color="tab:red", marker="D"))
+            ("reward-centred", "none"): "biased"}))
 
-SAMPLED_ESTIMATORS = tuple(e.name for e in REGISTRY if e.inputs == SAMPLED)
-LOGGED_ESTIMATORS = tuple(e.name for e in REGISTRY if e.inputs == SAMPLED and e.logged)  # kl_<name> statistics
+
+
+def sampled_estimators() -> tuple[str, ...]:
+    """The estimators computed from the sampled tokens' log-probs, read from the registry when asked (so that a
+    plugin's count, whenever it registers)."""
+    return tuple(e.name for e in REGISTRY if e.inputs == SAMPLED)
+
+
+def logged_estimators() -> tuple[str, ...]:
+    """The sampled estimators whose values are logged as kl_<name> statistics."""
+    return tuple(e.name for e in REGISTRY if e.inputs == SAMPLED and e.logged)

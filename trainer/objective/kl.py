@@ -24,10 +24,10 @@ import math
 import torch
 from torch import Tensor
 
-from trainer.objective.estimators import FULL, LOGGED_ESTIMATORS, REGISTRY, SAMPLED_ESTIMATORS, Estimator
+from trainer.objective.estimators import FULL, REGISTRY, Estimator, logged_estimators, sampled_estimators
 
-__all__ = ["LOGGED_ESTIMATORS", "SAMPLED_ESTIMATORS", "clamped", "compute_dtype", "estimate", "log_ratio",
-           "max_exponent"]
+__all__ = ["clamped", "compute_dtype", "estimate", "log_ratio", "logged_estimators", "max_exponent",
+           "sampled_estimators"]
 
 # exp(x) - 1 + x stays finite for x up to log(finfo.max) minus this margin.
 _EXP_MARGIN = 1.0

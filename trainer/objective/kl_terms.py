@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer.objective import estimators, kl, placements
+from trainer.objective import estimators, kl, kl_loss_ratios, placements
 from trainer.objective.objective_config import ObjectiveConfig
 
 
@@ -72,11 +72,5 @@ def kl_loss_term(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_
 
 def kl_loss_weight(config: ObjectiveConfig, logp: Tensor, ratio: Tensor, sequence: tuple[Tensor, Tensor] | None,
                    engine_logp: Tensor | None) -> Tensor | None:
-    """The weight on each KL-loss token (objective.kl_loss_ratio), None for none."""
-    name = config.kl_loss_ratio
-    if name == "engine":  # pi / mu_engine, differentiable (NeMo-RL's on-policy KL approximation)
-        return torch.exp(logp - engine_logp.to(logp.dtype))
-    if name == "score":   # 1 in value, the score term in the gradient (NeMo-RL's default)
-        return torch.exp(logp - logp.detach())
-    return {"none": None, "detached": ratio.detach(), "differentiable": ratio,
-            "sequence": sequence[1] if sequence else None}[name]
+    """The weight on each KL-loss token (objective.kl_loss_ratio, trainer.objective.kl_loss_ratios), None for none."""
+    return kl_loss_ratios.REGISTRY[config.kl_loss_ratio].weight(logp, ratio, sequence, engine_logp)

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, PLACEMENTS
-from trainer.objective import advantages, kl, pg_terms, placements, whitening
+from trainer.objective import advantages, kl, loss_aggs, pg_terms, placements, whitening
 from trainer.objective.engine_weights import engine_weights
 from trainer.objective.kl_terms import centred_kl, kl_loss_term, kl_loss_weight, kl_reward_span, reward_kl
 from trainer.objective.objective_config import ObjectiveConfig
 
-__all__ = ["KL_LOSS_RATIOS", "LOSS_AGGS", "PG_RATIOS", "PLACEMENTS", "Advantages", "ObjectiveConfig", "advantage_stats",
+__all__ = ["Advantages", "ObjectiveConfig", "advantage_stats",
            "aggregate", "batch_advantages", "combine_stats", "compute_loss", "policy_loss", "reward_kl"]
 
 # How combine_stats pools each statistic over a batch's parts (micro-batches, processes):
@@ -37,25 +36,14 @@ TOKEN_MEAN_STATS = ("ratio_mean", "clip_frac", "dual_clip_frac", "entropy", "tis
 
 def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int | None = None,
               totals: tuple[float, float] | None = None) -> Tensor:
-    """Reduce a [B, T] per-token loss over the response `mask` as `loss_agg` says.
+    """Reduce a [B, T] per-token loss over the response `mask` as `loss_agg` says (trainer.objective.loss_aggs).
 
     `totals` = (rows, tokens) of the whole batch these rows are a part of (all micro-batches, all
     processes). Means then divide by those, so the parts' losses add up to the whole batch's loss,
     and their gradients to its gradient, exactly."""
     masked = per_token * mask
     rows, tokens = totals if totals is not None else (mask.shape[0], mask.sum().clamp(min=1))
-    if loss_agg == "token-mean":
-        return masked.sum() / tokens
-    token_sums = masked.sum(dim=-1)
-    if loss_agg == "seq-mean-token-sum":
-        return token_sums.sum() / rows
-    if loss_agg == "seq-mean-token-mean":
-        return (token_sums / mask.sum(dim=-1).clamp(min=1)).sum() / rows
-    if loss_agg == "seq-mean-token-sum-norm":
-        if norm_length is None:
-            raise ValueError("seq-mean-token-sum-norm needs norm_length")
-        return token_sums.sum() / rows / norm_length
-    raise ValueError(f"unknown loss_agg {loss_agg!r}; choose one of {', '.join(LOSS_AGGS)}")
+    return loss_aggs.REGISTRY[loss_agg].reduce(masked, mask, rows, tokens, norm_length)
 
 
 def _check_inputs(logp: Tensor, per_response: dict[str, Tensor], group_size: int | None,
@@ -214,7 +202,7 @@ def policy_loss(
 
     ratio = torch.exp(logp_c - old)
     adv_t = adv.to(dtype) if adv.dim() == 2 else adv.to(dtype).unsqueeze(-1)
-    sequence = pg_terms.sequence_ratios(logp_c, old, maskf, config) if pg_terms.uses_sequence_ratios(config) else None
+    sequence = pg_terms.sequence_ratios(logp_c, old, maskf, config) if config.reads_sequence_ratios else None
     term = pg_terms.policy_gradient(logp_c, old, adv_t, maskf, config, None if sequence is None else sequence[0])
     pg, clipped, dual_clipped = term.per_token, term.clipped, term.dual_clipped
     tis = None
@@ -258,7 +246,7 @@ def _stats(logp: Tensor, ref_logp: Tensor, ratio: Tensor, clipped: Tensor, maskf
     sampled-token estimator (kl_k1, ...), and by `full` where the exact token KL was computed."""
     n_tokens = maskf.sum().clamp(min=1)
     sequence_kls = {f"kl_{name}": (kl.estimate(name, logp.detach(), ref_logp) * maskf).sum(dim=-1)
-                    for name in kl.LOGGED_ESTIMATORS}
+                    for name in kl.logged_estimators()}
     if token_kl is not None:
         sequence_kls["kl_full"] = (token_kl.detach().to(maskf.dtype) * maskf).sum(dim=-1)
     tokens = maskf.bool()

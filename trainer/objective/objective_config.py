@@ -7,9 +7,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
-from trainer.choices import KL_LOSS_RATIOS, LOSS_AGGS, PG_RATIOS, REWARD_KL_POLICIES, TIS_LEVELS, TIS_MODES
-from trainer.objective import advantages, estimators, placements, presets
+from trainer.choices import REWARD_KL_POLICIES, TIS_LEVELS, TIS_MODES
+from trainer.objective import (
+    advantages,
+    estimators,
+    kl_loss_ratios,
+    loss_aggs,
+    pg_ratios,
+    placements,
+    presets,
+)
 
 
 def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
@@ -25,6 +34,11 @@ def _optional(key: str, value: object, check, what: str) -> None:
     """None, or a finite number that `check` accepts; else a ValueError naming the key."""
     if value is not None and not (_number(value) and check(value)):
         raise ValueError(f"ObjectiveConfig.{key}: must be None or {what}, got {value!r}")
+
+
+# The fields whose choices are registries, by field (kl_loss_agg, optional, is checked on its own).
+REGISTRIES = {"estimator": estimators.REGISTRY, "placement": placements.REGISTRY, "advantage": advantages.REGISTRY,
+              "loss_agg": loss_aggs.REGISTRY, "kl_loss_ratio": kl_loss_ratios.REGISTRY, "pg_ratio": pg_ratios.REGISTRY}
 
 
 @dataclass(frozen=True)
@@ -49,14 +63,10 @@ class ObjectiveConfig:
     advantage       rloo | grpo | drgrpo | reinforce | reinforce++ (see trainer.objective.advantages;
                     reinforce++ normalises over the whole minibatch)
     grpo_scale      grpo only: divide by the group std (False gives Dr. GRPO's centring)
-    loss_agg        how per-token losses become one number:
-                    seq-mean-token-sum       mean over responses of their token sums (the
-                                             aggregation under which KL_THEORY.md's identities
-                                             are exact)
-                    seq-mean-token-mean      mean over responses of their token means
-                    token-mean               mean over every response token of the batch
-                    seq-mean-token-sum-norm  token sums divided by the fixed `norm_length`
-                                             (Dr. GRPO), then the mean over responses
+    loss_agg        how per-token losses become one number: seq-mean-token-sum | seq-mean-token-mean |
+                    token-mean | seq-mean-token-sum-norm (trainer.objective.loss_aggs, each one's docstring
+                    says what it computes; seq-mean-token-sum is the one under which KL_THEORY.md's
+                    identities are exact)
     norm_length     the constant of seq-mean-token-sum-norm (e.g. the maximum response length)
     kl_loss_agg     how the KL-loss term's per-token values become one number, where it differs from the
                     policy gradient's: one of loss_agg's choices; None = loss_agg. SkyRL averages its KL
@@ -69,34 +79,13 @@ class ObjectiveConfig:
                     up; its gradient there is 0. None = off. > 1. On-policy (ratio 1) the identity;
                     off-policy it drops those tokens' gradient: biased, and with the KL in the
                     reward (which reaches the gradient through the advantages) so is the KL term
-    kl_loss_ratio   off-policy importance weight on the KL loss term, rho = pi_theta / mu:
-                    none            beta * k                (ignores the behaviour policy)
-                    detached        beta * sg(rho) * k      on-policy meaning under samples of
-                                                            mu, token level; on-policy a no-op
-                    differentiable  beta * rho * k          DeepSeek-V3.2 / TRL
-                                                            use_bias_correction_kl; NOT a no-op
-                                                            on-policy (turns k3 into k2)
-                    sequence        beta * sg(w_t) * k_t    w_t = prod_{u<=t} rho_u, the prefix
-                                                            ratio: exactly the on-policy meaning
-                                                            for any length (token ratios are not)
-                    engine          beta * (pi/mu_engine) * k   differentiable, against the rollout
-                                                            engine's own log-probs (NeMo-RL's
-                                                            use_on_policy_kl_approximation); needs
-                                                            engine_logp
-                    score           beta * exp(l - sg l) * k    value 1, keeps the score term
-                                                            (NeMo-RL's default): the differentiable
-                                                            weight on-policy, no weight at all
-                                                            in value off-policy
-    pg_ratio        how the policy-gradient term corrects for samples of mu:
-                    token           PPO's per-token ratio rho_t (clipped with clip_eps): what the
-                                    RL libraries do; biased for responses of more than one token
-                    sequence        the detached sequence ratio w = pi(y) / mu(y) on every token's
-                                    score, sg(w) * A * grad log pi_t: exactly unbiased (REINFORCE
-                                    with importance sampling) when the advantage's baseline is a
-                                    mean of rewards (not grpo's std scaling). With clip_eps, w is
-                                    PPO-clipped as a whole, -min(w A, clip(w) A) (TRL's RLOOTrainer):
-                                    biased wherever the clip binds. No clip_ratio_c or ratio_cap (they
-                                    bound token ratios); sequence_ratio_cap truncates w
+    kl_loss_ratio   off-policy importance weight on the KL loss term, rho = pi_theta / mu: none | detached |
+                    differentiable | sequence | engine | score (trainer.objective.kl_loss_ratios, each one's
+                    docstring says what it weighs and what that means on- and off-policy; engine needs
+                    engine_logp)
+    pg_ratio        how the policy-gradient term corrects for samples of mu: token (PPO's per-token ratio,
+                    what the RL libraries do) | sequence (the detached sequence ratio, exactly unbiased)
+                    (trainer.objective.pg_ratios, each one's docstring says what it computes)
     ratio_cap, ratio_floor, ratio_mode  bound the token ratio rho_t = pi / mu before PPO's clip:
                     truncate  rho_t clamped to [ratio_floor, ratio_cap] (no gradient beyond; the Comedy
                               paper's prime-rl fork: [0, 8])
@@ -175,23 +164,19 @@ class ObjectiveConfig:
     preset: str | None = None
 
     def __post_init__(self) -> None:
-        for key, registry in (("estimator", estimators.REGISTRY), ("placement", placements.REGISTRY),
-                              ("advantage", advantages.REGISTRY)):  # what is registered now
+        for key, registry in REGISTRIES.items():  # what is registered now
             _choice(key, getattr(self, key), registry.names)
-        _choice("loss_agg", self.loss_agg, LOSS_AGGS)
-        _choice("kl_loss_ratio", self.kl_loss_ratio, KL_LOSS_RATIOS)
-        _choice("pg_ratio", self.pg_ratio, PG_RATIOS)
         _choice("reward_kl", self.reward_kl, REWARD_KL_POLICIES)
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
             raise ValueError(f"ObjectiveConfig.beta: must be a number, got {self.beta!r}")
         if not self.beta >= 0 or self.beta == float("inf"):
             raise ValueError(f"ObjectiveConfig.beta: must be a finite number >= 0, got {self.beta}")
         if self.kl_loss_agg is not None:
-            _choice("kl_loss_agg", self.kl_loss_agg, LOSS_AGGS)
-        if "seq-mean-token-sum-norm" in (self.loss_agg, self.kl_loss_agg):
+            _choice("kl_loss_agg", self.kl_loss_agg, loss_aggs.REGISTRY.names)
+        for agg in self._norm_length_readers(self.kl_loss_agg):
             if not isinstance(self.norm_length, int) or self.norm_length < 1:
                 raise ValueError(
-                    "ObjectiveConfig.norm_length: seq-mean-token-sum-norm needs a positive "
+                    f"ObjectiveConfig.norm_length: {agg} needs a positive "
                     f"integer norm_length (e.g. the maximum response length), got {self.norm_length!r}"
                 )
         for key in ("clip_eps", "clip_eps_high"):
@@ -207,11 +192,12 @@ class ObjectiveConfig:
             raise ValueError(f"ObjectiveConfig.clip_eps: must be < 1, got {self.clip_eps}")
         if self.clip_eps_high is not None and self.clip_eps is None:
             raise ValueError("ObjectiveConfig.clip_eps_high: set clip_eps too (clip_eps_high only widens it)")
-        if self.pg_ratio == "sequence":
+        if pg_ratios.REGISTRY[self.pg_ratio].sequence:
             for key in ("clip_ratio_c", "ratio_cap"):
                 if getattr(self, key) is not None:
-                    raise ValueError(f"ObjectiveConfig.{key}: bounds token ratios, and pg_ratio sequence weights whole "
-                                     "sequences; clip them with clip_eps or truncate them with sequence_ratio_cap")
+                    raise ValueError(f"ObjectiveConfig.{key}: bounds token ratios, and pg_ratio {self.pg_ratio} "
+                                     "weights whole sequences; clip them with clip_eps or truncate them with "
+                                     "sequence_ratio_cap")
         self._check_ratio_bounds()
         cap = self.sequence_ratio_cap
         if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap >= 1):
@@ -266,6 +252,11 @@ class ObjectiveConfig:
         if self.preset is not None:
             _choice("preset", self.preset, presets.REGISTRY.names)
 
+    @classmethod
+    def of_preset(cls, name: str, **overrides: Any) -> "ObjectiveConfig":
+        """The objective of preset `name`, with `overrides` (beta, the advantage, ...) on top."""
+        return cls(**presets.expand({"preset": name, **overrides}))
+
     @property
     def kl_in_reward(self) -> bool:
         return placements.REGISTRY[self.placement].in_reward
@@ -282,7 +273,14 @@ class ObjectiveConfig:
     @property
     def needs_engine_logp(self) -> bool:
         """Whether the loss reads the rollout engine's own log-probs (tis_cap, or the engine ratio)."""
-        return self.tis_cap is not None or (self.kl_in_loss and self.kl_loss_ratio == "engine")
+        return self.tis_cap is not None or (self.kl_in_loss
+                                            and kl_loss_ratios.REGISTRY[self.kl_loss_ratio].needs_engine_logp)
+
+    @property
+    def reads_sequence_ratios(self) -> bool:
+        """Whether the loss weights by sequence or prefix ratios (the policy gradient's, or the KL loss's)."""
+        return pg_ratios.REGISTRY[self.pg_ratio].sequence or (
+            self.kl_in_loss and kl_loss_ratios.REGISTRY[self.kl_loss_ratio].sequence)
 
     @property
     def adaptive(self) -> bool:
@@ -316,13 +314,18 @@ class ObjectiveConfig:
             inert.add("grpo_scale")
         if not self.kl_in_loss:
             inert.add("kl_loss_agg")
-        if "seq-mean-token-sum-norm" not in (self.loss_agg, self.kl_loss_agg if self.kl_in_loss else None):
+        if not self._norm_length_readers(self.kl_loss_agg if self.kl_in_loss else None):
             inert.add("norm_length")
         if self.ratio_cap is None:
             inert |= {"ratio_floor", "ratio_mode"}
-        if self.pg_ratio != "sequence" and (self.kl_loss_ratio != "sequence" or not self.kl_in_loss):
+        if not self.reads_sequence_ratios:
             inert.add("sequence_ratio_cap")
         return frozenset(inert)
+
+    def _norm_length_readers(self, kl_loss_agg: str | None) -> list[str]:
+        """The aggregations among loss_agg and `kl_loss_agg` that read norm_length."""
+        return [agg for agg in dict.fromkeys((self.loss_agg, kl_loss_agg))
+                if agg is not None and loss_aggs.REGISTRY[agg].needs_norm_length]
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

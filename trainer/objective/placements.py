@@ -39,7 +39,6 @@ class Placement:
     name: str
     in_reward: bool
     in_loss: bool
-    fill: str  # the marker fill that figures draw it with ("full", "none", "left", ...)
     reward_span: str = "sequence"  # with the KL in the reward: how far each token's score reaches
     centred: bool = False          # the KL in the reward minus its group's mean, beside the advantage of R
 
@@ -57,13 +56,17 @@ class Placement:
 
 
 REGISTRY: Registry[Placement] = Registry("KL placement")
-REGISTRY.register(Placement("none", in_reward=False, in_loss=False, fill="full"))
-REGISTRY.register(Placement("reward", in_reward=True, in_loss=False, fill="full"))
-REGISTRY.register(Placement("loss", in_reward=False, in_loss=True, fill="none"))
-REGISTRY.register(Placement("reward+loss", in_reward=True, in_loss=True, fill="left"))
-REGISTRY.register(Placement("reward-to-go", in_reward=True, in_loss=False, fill="bottom", reward_span="to-go"))
-REGISTRY.register(Placement("reward-to-go+loss", in_reward=True, in_loss=True, fill="right", reward_span="to-go"))
-REGISTRY.register(Placement("reward-token", in_reward=True, in_loss=False, fill="top", reward_span="token"))
-REGISTRY.register(Placement("reward-centred", in_reward=True, in_loss=False, fill="full", centred=True))
+REGISTRY.register(Placement("none", in_reward=False, in_loss=False))
+REGISTRY.register(Placement("reward", in_reward=True, in_loss=False))
+REGISTRY.register(Placement("loss", in_reward=False, in_loss=True))
+REGISTRY.register(Placement("reward+loss", in_reward=True, in_loss=True))
+REGISTRY.register(Placement("reward-to-go", in_reward=True, in_loss=False, reward_span="to-go"))
+REGISTRY.register(Placement("reward-to-go+loss", in_reward=True, in_loss=True, reward_span="to-go"))
+REGISTRY.register(Placement("reward-token", in_reward=True, in_loss=False, reward_span="token"))
+REGISTRY.register(Placement("reward-centred", in_reward=True, in_loss=False, centred=True))
 
-KL_PLACEMENTS = tuple(p.name for p in REGISTRY if p.in_reward or p.in_loss)  # every placement with a KL term
+
+
+def kl_placements() -> tuple[str, ...]:
+    """Every placement with a KL term, read from the registry when asked (so that a plugin's count)."""
+    return tuple(p.name for p in REGISTRY if p.in_reward or p.in_loss)

@@ -12,7 +12,8 @@ gradient is (`python -m trainer audit --presets`).
 
 In a run config, `objective: {preset: verl, beta: 0.1}` is verl's configuration at beta 0.1: the
 preset's values fill in the keys not given beside it, and `preset` stays in the config as a label.
-In Python, `objective("verl", beta=0.1)`. Free of torch.
+In Python, `ObjectiveConfig.of_preset("verl", beta=0.1)`. Free of torch, and of the config it fills in
+(`trainer.objective.objective_config` reads the names here, never the other way round).
 """
 
 from __future__ import annotations
@@ -20,12 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from trainer.objective.registry import Registry
-
-if TYPE_CHECKING:
-    from trainer.objective.objective_config import ObjectiveConfig
 
 
 @dataclass(frozen=True)
@@ -258,15 +256,11 @@ NAMES = REGISTRY.names
 
 
 def expand(section: Mapping[str, Any]) -> dict[str, Any]:
-    """A run config's objective section with its preset's values under the keys it gives itself."""
+    """A run config's objective section with its preset's values under the keys it gives itself: the one
+    expansion, which the run config, `ObjectiveConfig.of_preset` and the studies' axes all call."""
     name = section.get("preset")
     if name is None:
         return dict(section)
+    if name not in REGISTRY:
+        raise ValueError(f"objective.preset: {name!r} is not one of {', '.join(REGISTRY.names)}")
     return {**REGISTRY[name].values, **section}
-
-
-def objective(name: str, **overrides: Any) -> "ObjectiveConfig":
-    """The ObjectiveConfig of preset `name`, with `overrides` (beta, the advantage, ...) on top."""
-    from trainer.objective.objective_config import ObjectiveConfig
-
-    return ObjectiveConfig(**expand({"preset": name, **overrides}))

@@ -1,9 +1,11 @@
-"""A registry of the choices along one axis of the objective (estimators, placements, advantages).
+"""A registry of the choices along one axis of the objective (estimators, placements, advantages, the
+ratios, the aggregations).
 
-Each choice is registered once, as a spec that holds everything about it: its implementation, what
-it needs, its theory and how reports draw it. The config's choices, the study's checks, the audit's
-rows, the logged statistics and the figures all read the registry, so a new choice is one
-registration plus its theory and tests. Free of torch: run configs validate in milliseconds.
+Each choice is registered once, as a spec that holds everything the trainer needs about it: its
+implementation, what it needs and its theory. The config's choices, the study's checks, the audit's
+rows and the logged statistics all read the registry, so a new choice is one registration plus its
+theory and tests (how figures draw it is the report's: sweep.styles). Free of torch: run configs
+validate in milliseconds.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ class Registry(Generic[Spec]):
             raise ValueError(f"unknown {self.axis} {name!r}; choose one of {', '.join(self._specs)}") from None
 
     def __contains__(self, name: object) -> bool:
-        return name in self._specs
+        try:
+            return name in self._specs
+        except TypeError:  # an unhashable value (a list in a config) is no name
+            return False
 
     def __iter__(self) -> Iterator[Spec]:
         return iter(self._specs.values())
@@ -53,3 +58,8 @@ class Registry(Generic[Spec]):
     def order(self, name: str) -> int:
         """A name's position (for sorting); unknown names last."""
         return self.names.index(name) if name in self._specs else len(self._specs)
+
+
+def theory_note(function: object) -> str:
+    """A registered function's theory note: its docstring, as one paragraph."""
+    return " ".join((getattr(function, "__doc__", None) or "").split())

@@ -1,0 +1,112 @@
+"""How the policy-gradient term corrects for samples of mu (objective.pg_ratio): one registered function
+each, whose docstring is its theory note.
+
+Every function takes `(logp, old, adv_t, maskf, config, sequence)`: the policy's log-probs [B, T] (with
+grad), the sampler's [B, T], the advantages [B, 1] or [B, T], the float response mask, the
+ObjectiveConfig (its clips and bounds), and the detached sequence ratios w = pi(y) / mu(y) [B] where
+the ratio reads them (`sequence`); it returns each token's term and which tokens the clips and bounds cut
+(`PolicyGradient`). Tensor methods only: configs validate without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from trainer.objective.registry import Registry, theory_note
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+@dataclass(frozen=True)
+class PolicyGradient:
+    per_token: Tensor           # [B, T] the term of each token, to aggregate
+    clipped: Tensor             # [B, T] bool: tokens PPO's clip takes the gradient from
+    dual_clipped: Tensor | None  # [B, T] bool: tokens the dual clip bounds; None when it is off
+    bounded: Tensor | None      # [B, T] bool: tokens whose ratio the bounds cut; None without them
+
+
+@dataclass(frozen=True)
+class PgRatio:
+    name: str
+    term: Callable[..., PolicyGradient]  # (logp, old, adv_t, maskf, config, sequence) -> PolicyGradient
+    sequence: bool = False  # weighs whole responses: reads the sequence ratios; the token bounds do not apply
+
+    @property
+    def theory(self) -> str:
+        return theory_note(self.term)
+
+
+REGISTRY: Registry[PgRatio] = Registry("policy-gradient ratio")
+
+
+def register(name: str, **options: Any) -> Callable[[Callable[..., PolicyGradient]], Callable[..., PolicyGradient]]:
+    """Register the decorated function as policy-gradient ratio `name`."""
+    def add(term: Callable[..., PolicyGradient]) -> Callable[..., PolicyGradient]:
+        REGISTRY.register(PgRatio(name, term, **options))
+        return term
+    return add
+
+
+def _bound(ratio: Tensor, config: Any) -> tuple[Tensor, Tensor | None]:
+    """The token ratios after ratio_cap / ratio_floor, and which tokens the bounds cut (None without them)."""
+    if config.ratio_cap is None:
+        return ratio, None
+    floor = config.ratio_floor or 0.0
+    outside = (ratio.detach() < floor) | (ratio.detach() > config.ratio_cap)
+    if config.ratio_mode == "mask":
+        return ratio.masked_fill(outside, 0.0), outside
+    return ratio.clamp(floor, config.ratio_cap), outside
+
+
+@register("token")
+def token_ratio(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, config: Any, sequence: Tensor | None
+                ) -> PolicyGradient:
+    """PPO's per-token ratio rho_t = pi_theta / mu, differentiable: -rho_t A per token, the ratio bounded
+    (ratio_cap, ratio_floor, ratio_mode), PPO-clipped with clip_eps, then bounded by the dual clip
+    (clip_ratio_c). What the RL libraries do; biased for responses of more than one token."""
+    log_ratio = logp - old
+    bounds: list[Tensor | None] = [None]
+
+    def ppo(ratio: Tensor) -> tuple[Tensor, Tensor]:
+        ratio, bounds[0] = _bound(ratio, config)
+        pg = -ratio * adv_t
+        if config.clip_eps is None:
+            return pg, pg.new_zeros(pg.shape).bool()
+        high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+        pg_clipped = -ratio.clamp(1 - config.clip_eps, 1 + high) * adv_t
+        return pg.maximum(pg_clipped), pg_clipped > pg
+
+    if config.clip_ratio_c is None:
+        pg, clipped = ppo(log_ratio.exp())
+        return PolicyGradient(pg, clipped, None, bounds[0])
+    bound = -config.clip_ratio_c * adv_t  # > 0 where the advantage is negative
+    dual = (adv_t < 0) & (ppo(log_ratio.detach().exp())[0].detach() > bound)
+    # a bounded token's ratio (e^100 when stale) never enters the graph: no inf x 0 = nan gradient
+    pg, clipped = ppo(log_ratio.masked_fill(dual, 0.0).exp())
+    return PolicyGradient(pg.where(~dual, bound), clipped & ~dual, dual, bounds[0])
+
+
+@register("sequence", sequence=True)
+def sequence_ratio(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, config: Any, sequence: Tensor | None
+                ) -> PolicyGradient:
+    """The detached sequence ratio w = pi(y) / mu(y) on every token's score, sg(w) A grad log pi_t: exactly
+    unbiased (REINFORCE with importance sampling) when the advantage's baseline is a mean of rewards (not
+    grpo's std scaling). The value -w A is spread over the response's tokens. With clip_eps, w is
+    PPO-clipped as a whole, -min(w A, clip(w) A) (TRL's RLOOTrainer): biased wherever the clip binds, and a
+    response the clip binds on has no gradient. No clip_ratio_c or ratio_cap (they bound token ratios);
+    sequence_ratio_cap truncates w."""
+    w_t = sequence.unsqueeze(-1)
+    surrogate = w_t * adv_t
+    clipped = surrogate.new_zeros(surrogate.shape).bool()
+    if config.clip_eps is not None:
+        high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+        bounded = w_t.clamp(1 - config.clip_eps, 1 + high) * adv_t
+        clipped = bounded < surrogate  # the min takes the clipped side: no gradient there
+        surrogate = surrogate.minimum(bounded)
+    clipped = clipped.expand_as(logp) & maskf.bool()
+    lengths = maskf.sum(-1, keepdim=True).clamp(min=1)
+    score = (logp - logp.detach()).exp() - 1.0  # 0 in value, grad log pi_t in the gradient
+    per_token = -surrogate.detach() / lengths - (w_t * adv_t).where(~clipped, 0.0) * score
+    return PolicyGradient(per_token, clipped, None, None)
