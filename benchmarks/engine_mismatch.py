@@ -61,7 +61,7 @@ SHAPES = {"warm-toy": {"rollout.max_new_tokens": 4, "train.prompts_per_step": 32
 def child(setting: str, model: str, device: str, steps: int, result: str) -> None:
     """One setting's run, in a process of its own (a vLLM engine holds its process's devices)."""
     from trainer import config as run_config
-    from trainer.loop import Run
+    from trainer.run import Run
 
     overrides = {"model.path": model, "model.device": device, "task.options": "{max_operand: 9}",
                  "rollout.stop": '["\\n"]', "objective.estimator": "k3", "objective.placement": "reward+loss",

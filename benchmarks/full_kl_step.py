@@ -3,7 +3,7 @@ the same step with k1, everything else equal.
 
 Both sides train the same freshly built toy Llama, its vocabulary padded with unused tokens to a real
 model's size (so that the sum over the vocabulary costs what it would), on the same arithmetic
-prompts, with the KL in the reward and the loss. Each side runs `trainer.loop.Run.run_step` in its own
+prompts, with the KL in the reward and the loss. Each side runs `trainer.run.Run.run_step` in its own
 child process, alternately, for several rounds. A side's step time, train time (everything after
 generation: the reference pass, the sampler's KL for the reward, forward and backward) and the
 child's peak resident memory are reported; the last line is
@@ -28,7 +28,7 @@ ESTIMATORS = ("k1", "full")
 
 def run_side(estimator: str, args: argparse.Namespace) -> list[dict[str, float]]:
     from trainer import config as run_config
-    from trainer.loop import Run
+    from trainer.run import Run
 
     config = run_config.load(None, [
         f"model.path={args.model}", "task.name=arithmetic", f"rollout.max_new_tokens={args.length}",

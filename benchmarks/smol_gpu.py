@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from sweep.checks import merge  # noqa: E402
 from sweep.grid import load_study  # noqa: E402
-from trainer.loop import EXIT_PREEMPTED  # noqa: E402
+from trainer.run import EXIT_PREEMPTED  # noqa: E402
 from trainer.run_files import COMPLETE, read_metrics  # noqa: E402
 
 log = logging.getLogger("smol_gpu")

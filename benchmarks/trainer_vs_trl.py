@@ -58,7 +58,7 @@ def synchronize(device: str) -> None:
 
 def run_klstudy(args: argparse.Namespace, model: Path) -> dict:
     from trainer import config as run_config
-    from trainer.loop import Run
+    from trainer.run import Run
 
     config = run_config.load(None, [
         f"model.path={model}", f"model.device={args.device}", f"model.dtype={dtype(args.device)}",

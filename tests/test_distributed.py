@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from trainer import config as run_config
 from trainer.launch import train_command
-from trainer.loop import TIMING_KEYS, Run
 from trainer.model.models import load_model
 from trainer.objective.loss import combine_stats
+from trainer.run import TIMING_KEYS, Run
 
 # 2 steps, larger lr and beta, token-mean: what the comparisons of one process with several need
 RUN = {**TOY_RUN, "objective.beta": 0.1, "objective.loss_agg": "token-mean", "train.lr": "1e-3", "train.steps": 2,

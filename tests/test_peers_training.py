@@ -7,7 +7,7 @@ import torch
 from run_helpers import metrics, objective, train_cli
 from safetensors.torch import load_file
 
-from trainer.loop import COMPLETE, TIMING_KEYS
+from trainer.run import COMPLETE, TIMING_KEYS
 
 MOVING = {"objective.estimator": "k3", "objective.placement": "reward-to-go+loss", "objective.beta": 0.1,
           "objective.kl_loss_ratio": "engine", "objective.kl_log_ratio_clamp": 20, "objective.kl_value_clamp": 10,

@@ -22,7 +22,7 @@ from run_helpers import default_sigint
 
 from snakemake_executor_plugin_submitit.executor import parse_sbatch
 from snakemake_executor_plugin_submitit.resources import signature, slurm_parameters
-from trainer.loop import TIMING_KEYS
+from trainer.run import TIMING_KEYS
 from trainer.run_files import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,8 +12,8 @@ from run_helpers import metrics, start_cli, train_cli, wait_for_lines
 from vllm_required import require_vllm
 
 from eval.verify import score
-from trainer.loop import COMPLETE, EXIT_PREEMPTED
 from trainer.model.models import format_prompt, load_tokenizer
+from trainer.run import COMPLETE, EXIT_PREEMPTED
 from trainer.tasks import make_task
 
 # 2 prompts x 2 samples of up to 24 tokens a step: one-digit sums asked in words, through the chat template

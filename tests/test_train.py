@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 
 from trainer import checkpoint
 from trainer import config as run_config
-from trainer.loop import COMPLETE, EXIT_PREEMPTED, TIMING_KEYS, Run, TrainingError
 from trainer.model.models import load_model
+from trainer.run import COMPLETE, EXIT_PREEMPTED, TIMING_KEYS, Run, TrainingError, directory
+from trainer.run.producer import Producer
 
 
 def weights(out):
@@ -137,14 +138,14 @@ def test_async_level_trains_step_s_on_rollouts_of_the_policy_of_step_s_minus_k(w
     config = run_config.load(None, overrides(warm_model, **{"train.async_level": level, "train.steps": 6}))
     run = Run(config, tmp_path / f"async{level}")
     generated_with, trained_on, start_of = {}, {}, {}
-    generate = run._generate
+    generate = run.producer.generate
 
-    def recording_generate():
-        entry = generate()
+    def recording_generate(state):
+        entry = generate(state)
         generated_with[id(entry.rollouts)] = _weights_hash(run.policy)
         return entry
 
-    run._generate = recording_generate
+    run.producer.generate = recording_generate
     for step in range(6):
         start_of[step] = _weights_hash(run.policy)
         head = run.pending[0] if run.pending else None
@@ -160,12 +161,12 @@ def test_async_level_trains_step_s_on_rollouts_of_the_policy_of_step_s_minus_k(w
 
 
 def test_non_finite_updates_are_skipped_then_stop_the_run(warm_model, tmp_path, monkeypatch):
-    import trainer.loop as loop
+    import trainer.run.step as step
 
     config = run_config.load(None, overrides(warm_model, **{"train.max_nonfinite_updates": 2}))
     run = Run(config, tmp_path / "nan")
-    real = loop.policy_loss
-    monkeypatch.setattr(loop, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
+    real = step.policy_loss
+    monkeypatch.setattr(step, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     before = _weights_hash(run.policy)
     line = run.run_step()
     assert line["skipped_updates"] == 1 and _weights_hash(run.policy) == before
@@ -224,19 +225,19 @@ def test_reward_rises_on_arithmetic(warm_model, tmp_path):
 
 
 def test_minibatches_and_epochs_make_several_off_policy_updates_per_batch(warm_model, tmp_path, monkeypatch):
-    import trainer.loop as loop
+    import trainer.run.step as step
 
     config = run_config.load(None, overrides(warm_model, **{
         "train.minibatches": 2, "train.epochs": 2, "objective.clip_eps": 0.2, "rollout.recompute_logprobs": "true"}))
     run = Run(config, tmp_path / "ppo")
     seen = []
-    real = loop.policy_loss
+    real = step.policy_loss
 
-    def recording(logp, ref_logp, old_logp, adv, mask, objective, *rest):
+    def recording(logp, ref_logp, old_logp, adv, mask, objective, **rest):
         seen.append((logp.shape[0], old_logp is not None, float(((logp.detach() - old_logp).abs() * mask).max())))
-        return real(logp, ref_logp, old_logp, adv, mask, objective, *rest)
+        return real(logp, ref_logp, old_logp, adv, mask, objective, **rest)
 
-    monkeypatch.setattr(loop, "policy_loss", recording)
+    monkeypatch.setattr(step, "policy_loss", recording)
     line = run.run_step()
     assert [rows for rows, _, _ in seen] == [8, 8, 8, 8]  # 4 prompts x 4 samples, in 2 minibatches, twice
     assert all(has_old for _, has_old, _ in seen)  # the behaviour log-probs feed the importance ratio
@@ -320,8 +321,7 @@ def test_resume_drops_a_torn_metrics_line(tmp_path):
     """A run killed in the middle of writing metrics.jsonl leaves a partial last line."""
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n" + json.dumps({"step": 1}) + "\n"
                                             + '{"step": 2, "rew')
-    stub = type("Stub", (), {"out": tmp_path})()
-    Run._truncate_metrics(stub, 1)
+    directory.truncate_metrics(tmp_path, 1)
     assert metrics(tmp_path) == [{"step": 0}]
 
 
@@ -347,11 +347,10 @@ def test_a_run_started_before_a_config_key_existed_still_resumes(warm_model, tmp
     saved = config.to_dict()
     del saved["rollout"]["vllm_cpu_kvcache_gib"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
-    stub = type("Stub", (), {"out": tmp_path, "config": config})()
-    Run._check_or_write_config(stub)
-    stub.config = run_config.load(None, overrides(warm_model, **{"rollout.vllm_cpu_kvcache_gib": 2}))
+    directory.check_or_write_config(tmp_path, config)
+    changed = run_config.load(None, overrides(warm_model, **{"rollout.vllm_cpu_kvcache_gib": 2}))
     with pytest.raises(run_config.ConfigError, match=r"different config \(rollout.vllm_cpu_kvcache_gib\)"):
-        Run._check_or_write_config(stub)
+        directory.check_or_write_config(tmp_path, changed)
 
 
 def test_train_runs_trains_a_plan_in_one_process_as_single_runs_would(warm_model, tmp_path):
@@ -413,7 +412,7 @@ def test_an_on_policy_update_makes_the_trainers_logprobs_of_the_samples_in_its_o
         return lines, [p.detach().clone() for p in trainer.lm.parameters()]
 
     lines, weights = run("one-pass")
-    monkeypatch.setattr(Run, "_update_makes_trainer_logprobs", lambda self: False, raising=False)
+    monkeypatch.setattr(Producer, "update_makes_trainer_logprobs", lambda self: False)
     separate_lines, separate_weights = run("own-pass")
     assert lines == separate_lines and all(torch.equal(a, b) for a, b in zip(weights, separate_weights, strict=True))
     assert passes.count("own-pass") - passes.count("one-pass") == 2  # the policy's passes (the engine's too)

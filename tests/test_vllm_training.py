@@ -8,8 +8,8 @@ from rounding import assert_same_statistic, logprob_rounding, statistic_rounding
 from run_helpers import TOY_RUN, metrics, objective, start_cli, train_cli, wait_for_lines
 from vllm_required import require_vllm
 
-from trainer.loop import COMPLETE
 from trainer.model.models import load_model
+from trainer.run import COMPLETE
 
 VLLM_RUN = {"rollout.engine": "vllm", "train.async_level": 1, "train.steps": 6, "checkpoint.every": 1,
             "objective.tis_cap": 2.0, "measure.prompts": 4, "measure.samples": 4, "measure.reference_samples": 4,

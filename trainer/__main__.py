@@ -353,7 +353,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from trainer import config as run_config
-    from trainer.loop import train
+    from trainer.run import train
 
     return train(run_config.load(args.config, args.overrides), args.out)
 
@@ -372,7 +372,7 @@ def _train_runs_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_train_runs(args: argparse.Namespace) -> int:
     from trainer import config as run_config
-    from trainer.loop import EXIT_PREEMPTED, TrainingError, train
+    from trainer.run import EXIT_PREEMPTED, TrainingError, train
 
     try:
         plan = json.loads(args.plan)
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
-    from trainer.loop import TrainingError
+    from trainer.run import TrainingError
 
     try:
         return args.func(args)

@@ -1,0 +1,10 @@
+"""One RL training run, in parts that each read top to bottom: the loop (loop.py), one step (step.py), the
+batches it trains on (producer.py), the models (policies.py), the checkpointed state (state.py) and the run
+directory (directory.py). The names other code uses are here."""
+
+from trainer.run.directory import DirectoryTaken
+from trainer.run.errors import EXIT_PREEMPTED, TIMING_KEYS, Preempted, TrainingError
+from trainer.run.loop import Run, train
+from trainer.run_files import COMPLETE
+
+__all__ = ["COMPLETE", "EXIT_PREEMPTED", "TIMING_KEYS", "DirectoryTaken", "Preempted", "Run", "TrainingError", "train"]

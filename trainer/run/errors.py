@@ -1,0 +1,14 @@
+"""The run's exit status and errors, apart so that every part of a run can raise them without importing the loop."""
+
+from __future__ import annotations
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on SIGTERM; run the same command again to resume
+TIMING_KEYS = ("step_time", "gen_time", "train_time", "tokens_per_s")  # the only non-reproducible metrics
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (for example too many non-finite updates in a row)."""
+
+
+class Preempted(Exception):
+    """Raised after the checkpoint that SIGTERM asked for has been written."""

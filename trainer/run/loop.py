@@ -1,0 +1,241 @@
+"""The loop of one run: build its parts, then step, measure when due, checkpoint when due or on SIGTERM.
+
+`train(config, out_dir)` runs (or resumes, or skips if finished) one run. The run directory holds
+config.yaml, metrics.jsonl (one line per step), checkpoints/step_N/, final/ (an HF model directory
+with the tokenizer) and COMPLETE. SIGTERM makes the run checkpoint after the current step and exit
+with EXIT_PREEMPTED, so that a scheduler can requeue it and the same command resumes it.
+
+Started by `accelerate launch` (or torchrun) as several processes, the run shards the policy and
+the reference with FSDP2 (`trainer.distributed`). Each process generates, scores and trains on its
+share of every minibatch's prompts; the main process writes everything in the run directory. The
+update is the one a single process would make: each prompt samples from its own seed, and every
+loss part is normalised by the whole minibatch's rows and tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eval.verify import Verifier
+from trainer.audits.objective_measure import ObjectiveProbe
+from trainer.config import ConfigError, RunConfig
+from trainer.distributed import World, full_parameters, full_state_dict
+from trainer.lease import Lease, LeaseHeld, LeaseLost
+from trainer.model.models import load_tokenizer, resolve, save_pretrained_atomic
+from trainer.progress import progress_bar
+from trainer.rollout import make_engine
+from trainer.run import directory, measurement, state
+from trainer.run.directory import DirectoryTaken
+from trainer.run.errors import EXIT_PREEMPTED, Preempted
+from trainer.run.policies import Policies
+from trainer.run.producer import Producer
+from trainer.run.step import run_step
+from trainer.run_files import METRICS, OBJECTIVE
+from trainer.tasks import Task, make_task
+
+log = logging.getLogger(__name__)
+
+
+class _SigtermFlag:
+    """Records SIGTERM instead of dying, so the loop can checkpoint first."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._previous: Any = None
+
+    def __enter__(self) -> "_SigtermFlag":
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        log.warning("SIGTERM received: checkpointing after this step, then exiting with %d", EXIT_PREEMPTED)
+        self.raised = True
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def check_before_loading(config: RunConfig) -> Task:
+    """Everything that can be checked before a model loads: the model's location and the data."""
+    try:
+        resolve(config.model.path)
+    except ValueError as error:
+        raise ConfigError(f"model.path: {error}") from None
+    return make_task(config.task.name, config.task.options)
+
+
+def check_world(config: RunConfig, world: World) -> None:
+    """Every process must hold whole groups of every minibatch, in whole micro-batches."""
+    t = config.train
+    per_minibatch = t.prompts_per_step // t.minibatches
+    if per_minibatch % world.size:
+        raise ConfigError(f"train.prompts_per_step: {t.prompts_per_step} prompts in {t.minibatches} minibatch(es) "
+                          f"do not split evenly over {world.size} processes")
+    rows = per_minibatch // world.size * t.group_size
+    if t.micro_batch_size and rows % t.micro_batch_size:
+        raise ConfigError(f"train.micro_batch_size: {t.micro_batch_size} does not divide the {rows} completions "
+                          f"each process trains on per minibatch")
+    if world.sharded and config.objective.needs_full_kl:
+        raise ConfigError(f"objective.estimator: {config.objective.estimator} reads the reference's output layer "
+                          "outside its forward pass, which FSDP shards: run it in one process")
+    if world.sharded and config.objective.entropy_coef:
+        raise ConfigError("objective.entropy_coef: the exact entropy reads the output layer outside the forward "
+                          "pass, which FSDP shards: run it in one process")
+    if config.measure.prompts % world.size:
+        raise ConfigError(f"measure.prompts: {config.measure.prompts} held-out prompts do not split evenly over "
+                          f"{world.size} processes")
+
+
+class Run:
+    """One training run in `out_dir`, as its parts: the policies, the engine, the producer of batches, the
+    train state; `train()` is the entry point."""
+
+    def __init__(self, config: RunConfig, out_dir: Path, world: World | None = None) -> None:
+        world = world or World()
+        self.config, self.out, self.world = config, Path(out_dir), world
+        self.task = check_before_loading(config)
+        check_world(config, world)
+        self.lease: Lease | None = directory.claim(self.out, config, world)  # the main process's
+        c = config
+        self.tokenizer = load_tokenizer(c.model.path)
+        self.policies = Policies(c, world, directory.checkpoints_dir(self.out))
+        self.engine = make_engine(c, self.policies.engine_model, self.tokenizer, world,
+                                  weights=lambda: full_parameters(self.policies.policy, prefix="lm."))
+        resumed = self.policies.resumed
+        if resumed is not None:
+            self.engine.sync_weights()
+        self.state = state.TrainState.new(c, self.policies.policy)
+        self.state.saved_step = resumed[0] if resumed is not None else None
+        self.verifier = Verifier(timeout=c.verifier.timeout, workers=c.verifier.workers)
+        self.producer = Producer(c, self.task, self.tokenizer, world, self.policies, self.engine, self.verifier)
+        self.probe = ObjectiveProbe(c, self.tokenizer, world) if c.measure.prompts else None
+        self.reference_record: dict[str, Any] | None = None
+        torch.manual_seed(c.train.seed)
+        np.random.seed(c.train.seed)
+        random.seed(c.train.seed)
+
+    # the parts tests and benchmarks read
+    @property
+    def lm(self):
+        return self.policies.lm
+
+    @property
+    def policy(self):
+        return self.policies.policy
+
+    @property
+    def pending(self):
+        return self.producer.pending
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    def run_step(self) -> dict[str, Any]:
+        return run_step(self)
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def _due_for_measurement(self) -> bool:
+        every, step = self.config.measure.every, self.state.step
+        return self.probe is not None and (step == self.config.train.steps or (every and step % every == 0))
+
+    def _stopping(self, sigterm: _SigtermFlag) -> bool:
+        """Whether SIGTERM reached any process: all of them must checkpoint and stop together."""
+        return any(self.world.gather(sigterm.raised))
+
+    def train(self, sigterm: _SigtermFlag) -> None:
+        c, main, s = self.config, self.world.main, self.state
+        state.restore(self)
+        if self.probe is not None and s.step < c.train.steps:
+            self.reference_record = measurement.prepare(self)
+        metrics_file = (self.out / METRICS).open("a") if main else None
+        bar = progress_bar(c.train.steps, "train", show=None if main else False)
+        bar.update(s.step)
+        try:
+            if s.step < c.train.steps and self._stopping(sigterm):  # SIGTERM while loading
+                raise Preempted
+            while s.step < c.train.steps:
+                metrics = run_step(self)
+                if metrics_file is not None:
+                    self.lease.check()
+                    metrics_file.write(json.dumps(metrics) + "\n")
+                    metrics_file.flush()
+                bar.update()
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_k3']:.4f}")
+                if self._due_for_measurement():
+                    measured = measurement.measure(self)
+                    if main:
+                        with (self.out / OBJECTIVE).open("a") as handle:
+                            handle.write(json.dumps(measured) + "\n")
+                stopping = self._stopping(sigterm)  # one collective per step
+                if s.step % c.checkpoint.every == 0 or stopping:
+                    state.save_checkpoint(self)
+                if stopping and s.step < c.train.steps:
+                    raise Preempted
+        except Preempted:
+            if s.step and s.saved_step != s.step:
+                state.save_checkpoint(self)
+            raise
+        finally:
+            bar.close()
+            if metrics_file is not None:
+                metrics_file.close()
+            self.verifier.close()
+        weights = full_state_dict(self.policies.policy, prefix="lm.")
+        if main:
+            self.lease.check()
+            save_pretrained_atomic(self.out / "final", self.policies.lm, self.tokenizer, state_dict=weights)
+            log.info("run complete: %s (final model written)", self.out)
+        self.world.barrier()
+
+
+def train(config: RunConfig, out_dir: Path) -> int:
+    """Run, resume or skip (if complete) the run in `out_dir`; the process exit status.
+
+    A finished run is left exactly as it is: nothing in it is opened for writing. A run that fails
+    records why in FAILED (trainer.run_files), with its log, `train.log`, which every attempt appends
+    to; a trainer stopped because another one holds the directory writes nothing there."""
+    out_dir = Path(out_dir)
+    if directory.is_complete(out_dir):
+        log.info("%s is already complete; nothing to do", out_dir)
+        return 0
+    with _SigtermFlag() as sigterm:  # from the start: a SIGTERM during loading also ends in a clean exit
+        world = World.from_environment(config.model.device)
+        run, trained = None, False
+        try:
+            with directory.run_log(out_dir, world.main):
+                try:
+                    run = Run(config, out_dir, world)
+                    run.train(sigterm)
+                    trained = True
+                except Preempted:
+                    log.warning("preempted at step %d; checkpoint written, exiting with %d", run.step,
+                                EXIT_PREEMPTED)
+                    return EXIT_PREEMPTED
+                except (LeaseHeld, LeaseLost, DirectoryTaken):
+                    raise  # the directory is another trainer's, or another run's: nothing is recorded in it
+                except Exception as error:
+                    directory.record_error(out_dir, error, run.step if run is not None else None, world.main)
+                    raise
+                finally:
+                    if run is not None:
+                        run.engine.close()  # before the process group goes: vLLM tears down its groups in it
+            if trained and world.main:
+                directory.mark_complete(out_dir, run.lease, run.step)
+        finally:
+            if run is not None:
+                run.release()
+            world.close()
+    return 0

@@ -1,0 +1,64 @@
+"""One line of metrics.jsonl, from a step's batch and updates, summed over the processes: what the run
+reports lives apart from what it computes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer.run.loop import Run
+    from trainer.run.step import StepBatch
+
+
+def mismatch_sums(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's log-probs of sampled tokens are from the trainer's, as sums over tokens
+    (so that processes add up): |delta log p| and k3 = r - 1 - log r with r = pi_trainer / mu_engine,
+    whose mean estimates KL(mu_engine || pi_trainer) per token from the engine's samples (>= 0)."""
+    log_ratio = (trainer_logp.double() - engine_logp.double()) * mask
+    k3 = (torch.expm1(log_ratio) - log_ratio) * mask  # expm1 in float64: no rounding below 0 near r = 1
+    return {"abs_sum": float(log_ratio.abs().sum()), "abs_max": float(log_ratio.abs().max()),  # pack: >= 1 column
+            "k3_sum": float(k3.sum()), "tokens": float(mask.sum())}
+
+
+def step_metrics(run: "Run", sb: "StepBatch", updates: list[dict[str, float]], mismatch: dict[str, float],
+                 t0: float, t_gen: float, t_end: float) -> dict[str, Any]:
+    """One line of metrics.jsonl: the updates' statistics (already over every process) and the
+    step's rewards, lengths, counts and engine mismatch summed over the processes."""
+    config, entry = run.config, sb.entry
+    first_epoch = updates[: config.train.minibatches]
+    averaged = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "entropy"}
+    averaged["entropy"] = sum(u["entropy"] for u in first_epoch) / len(first_epoch)
+    averaged["skipped_updates"] = sum(u["skipped_updates"] for u in updates)
+    processes = run.world.gather({
+        "rewards": entry.rewards, "stops": sum(f == "stop" for f in entry.rollouts.finish_reasons),
+        "generated": sum(len(t) for t in entry.rollouts.token_ids), "trained": sb.batch.tokens,
+        "verifier": dict(run.verifier.counts), "mismatch": mismatch})
+    rewards = [r for p in processes for r in p["rewards"]]
+    generated = sum(p["generated"] for p in processes)
+    trained = sum(p["trained"] for p in processes) * config.train.epochs
+    verifier = {k: float(sum(p["verifier"].get(k, 0) for p in processes))
+                for k in ("timeouts", "errors", "rejected")}
+    mismatch_tokens = max(1.0, sum(p["mismatch"]["tokens"] for p in processes))
+    return {
+        "step": run.state.step,
+        "policy_step": entry.policy_step,
+        "reward_mean": sum(rewards) / len(rewards),
+        "pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
+        **averaged,
+        "lr": run.state.scheduler.get_last_lr()[0],
+        "stop_frac": sum(p["stops"] for p in processes) / len(rewards),
+        "mismatch_logp_mean": sum(p["mismatch"]["abs_sum"] for p in processes) / mismatch_tokens,
+        "mismatch_logp_max": max(p["mismatch"]["abs_max"] for p in processes),
+        "mismatch_kl": sum(p["mismatch"]["k3_sum"] for p in processes) / mismatch_tokens,
+        "verifier_timeouts": verifier["timeouts"],
+        "verifier_errors": verifier["errors"],
+        "verifier_rejected": verifier["rejected"],
+        "generated_tokens": generated,
+        "trained_tokens": trained,
+        "gen_time": t_gen - t0,
+        "train_time": t_end - t_gen,
+        "step_time": t_end - t0,
+        "tokens_per_s": (generated + trained) / max(t_end - t0, 1e-9),
+    }

@@ -1,0 +1,140 @@
+"""The train state: what a checkpoint holds besides the weights, as ONE plain dict, written and read back here
+only. A field added to the run's state is added to `checkpoint_state` and `restore`, next to each other."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from trainer import checkpoint
+from trainer.config import ConfigError, RunConfig
+from trainer.distributed import full_optimizer_state, full_state_dict, load_full_state_dict, load_optimizer_state
+from trainer.objective.kl_coefficient import KLCoefficient
+from trainer.run import directory
+from trainer.run.producer import PendingBatch
+
+if TYPE_CHECKING:
+    from trainer.run.loop import Run
+
+log = logging.getLogger(__name__)
+
+
+def _schedule(config: RunConfig, total_updates: int):
+    t = config.train
+
+    def factor(update: int) -> float:
+        if update < t.warmup_steps:
+            return (update + 1) / (t.warmup_steps + 1)
+        progress = (update - t.warmup_steps) / max(1, total_updates - t.warmup_steps)
+        if t.lr_schedule == "linear":
+            return max(0.0, 1 - progress)
+        if t.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return factor
+
+
+def _adamw(model, config: RunConfig) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel for all parameters) where this torch supports it for these parameters."""
+    t = config.train
+    kwargs = dict(lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+    try:
+        return torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(model.parameters(), **kwargs)
+
+
+@dataclass
+class TrainState:
+    """The counters and the optimizer's side of the run; `saved_step`: the step of the newest checkpoint."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    coefficient: KLCoefficient  # beta, adapted as the run trains (objective.kl_target)
+    step: int = 0
+    data_position: int = 0
+    nonfinite_in_row: int = 0
+    saved_step: int | None = None
+
+    @classmethod
+    def new(cls, config: RunConfig, policy: torch.nn.Module) -> "TrainState":
+        c = config
+        optimizer = _adamw(policy, c)
+        total_updates = c.train.steps * c.train.minibatches * c.train.epochs
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(c, total_updates))
+        return cls(optimizer, scheduler, KLCoefficient(c.objective))
+
+
+def process_state(run: "Run") -> dict[str, Any]:
+    """What differs between processes: random states, rollouts generated ahead, verifier counts."""
+    return {
+        "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
+        "pending": [p.to_state() for p in run.producer.pending],
+        "verifier_counts": dict(run.verifier.counts),
+    }
+
+
+def checkpoint_state(run: "Run") -> dict[str, Any]:
+    """The checkpoint's trainer state, every process joining in the gathers."""
+    s, policies = run.state, run.policies
+    state = {"step": s.step, "data_position": s.data_position, "nonfinite_in_row": s.nonfinite_in_row,
+             "kl_coefficient": s.coefficient.state_dict(),
+             "optimizer": full_optimizer_state(policies.policy, s.optimizer),
+             "scheduler": s.scheduler.state_dict(), "processes": run.world.gather(process_state(run))}
+    if run.config.objective.ref_refresh_every:  # the reference moves: it is part of the run's state
+        state["reference"] = full_state_dict(policies.reference, prefix="lm.")
+    return state
+
+
+def save_checkpoint(run: "Run") -> None:
+    """Every process joins in gathering the weights and optimizer state; the main process writes."""
+    c = run.config.checkpoint
+    weights = full_state_dict(run.policies.policy, prefix="lm.")
+    state = checkpoint_state(run)
+    if run.world.main:
+        run.lease.check()
+        checkpoint.save(directory.checkpoints_dir(run.out), run.state.step, run.policies.lm, state, c.keep,
+                        c.keep_every, run.tokenizer, state_dict=weights)
+    run.world.barrier()
+    run.state.saved_step = run.state.step
+
+
+def restore(run: "Run") -> None:
+    """Continue from the checkpoint whose weights the policies loaded, if any. Without one the run starts
+    over: lines that a run killed before its first checkpoint wrote are dropped."""
+    world, resumed = run.world, run.policies.resumed
+    if resumed is None:
+        if world.main:
+            directory.truncate_metrics(run.out, 0)
+        return
+    step, state = resumed
+    s = run.state
+    processes = state.get("processes") or [state]  # a checkpoint from before multi-process runs
+    if len(processes) != world.size:
+        raise ConfigError(f"{directory.checkpoints_dir(run.out)}/step_{step} was written by {len(processes)} "
+                          f"training process(es); resume it with as many, not {world.size}")
+    s.step, s.data_position = state["step"], state["data_position"]
+    s.nonfinite_in_row = state["nonfinite_in_row"]
+    if "kl_coefficient" in state:
+        s.coefficient.load_state_dict(state["kl_coefficient"])
+    if run.config.objective.ref_refresh_every:
+        load_full_state_dict(run.policies.reference, state["reference"], prefix="lm.")
+    load_optimizer_state(run.policies.policy, s.optimizer, state["optimizer"])
+    s.scheduler.load_state_dict(state["scheduler"])
+    mine = processes[world.rank]
+    torch.set_rng_state(mine["torch_rng"])
+    np.random.set_state(mine["numpy_rng"])
+    random.setstate(mine["python_rng"])
+    run.producer.pending = deque(PendingBatch.from_state(p) for p in mine["pending"])
+    run.verifier.counts.update(mine["verifier_counts"])
+    if world.main:
+        directory.truncate_metrics(run.out, step)
+    log.info("resumed from checkpoint step_%d", step)
