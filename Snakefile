@@ -3,9 +3,14 @@
 The study config (default workflow/config/toy.yaml; another with --configfile) is checked whole
 before any job starts (sweep.study_check): by sweep.grid, which also validates every run's trainer
 config, then by workflow/config/schema.yaml, then against this machine (model paths, devices against
-GPUs, run directories trained with another config); each error is one line that names the key. A
+GPUs, run directories trained with another config, hub models and data sets missing from the cache
+where this node is offline); each error is one line that names the key. A
 dry run (-n) also prints the plan (sweep.plan): each job's resources and sbatch options, and where
 each run starts. Every rule calls a package CLI, so each job is a command a person can run by hand.
+
+Jobs run offline (sweep.job_env): before the first one, this process fetches the study's hub models and
+data sets that the cache lacks (sweep.fetch, with this node's network and token), then gives every job
+an environment where the hub is out of reach and no token is set.
 
 The run directories are the state (sweep.jobs): a finished run (COMPLETE) or evaluation
 (metrics.json) is never in a job again, so re-running the same command, after any kill, finishes only
@@ -23,7 +28,7 @@ from pathlib import Path
 
 from snakemake.utils import min_version
 
-from sweep import jobs, rerun, study_lock
+from sweep import fetch, hub_needs, job_env, jobs, rerun, study_lock
 from sweep.grid import StudyError
 from sweep.plan import plan
 from sweep.study_check import check_study, preflight
@@ -70,7 +75,7 @@ try:
         chosen = rerun.discard(STUDY, RERUN, dry_run=not RUNS_JOBS)
         said = "discarded, to run again from scratch" if RUNS_JOBS else "would be discarded and run again"
         print(f"klstudy rerun: {len(chosen)} point(s) {said}: {', '.join(chosen) or 'none'}", file=sys.stderr)
-    NOTES = preflight(STUDY, rerun=set(chosen)) if MAIN else []
+    NOTES = preflight(STUDY, rerun=set(chosen), configfiles=workflow.config_settings.configfiles) if MAIN else []
 except StudyError as error:
     raise WorkflowError(f"study config: {error}") from None
 for line in NOTES:
@@ -82,7 +87,18 @@ if MAIN and workflow.output_settings.dryrun:
     print("\n".join(plan(STUDY, WORK, sys.argv, os.environ)))
 
 
+def fetch_then_go_offline():
+    """The hub models and data sets the cache lacks, fetched here; then this process's environment, which
+    every job inherits, made a compute job's (sweep.job_env). A failed fetch stops the study before any job."""
+    try:
+        fetch.fetch_missing(hub_needs.needs(STUDY), say=lambda line: print(line, file=sys.stderr))
+    except fetch.FetchError as error:
+        raise WorkflowError(f"fetch: {error}") from None
+    job_env.make_offline(os.environ)
+
+
 onstart:
+    fetch_then_go_offline()
     study_lock.claim(sys.argv)
     open_live_tracking()  # workflow/rules/train.smk
 

@@ -1,4 +1,4 @@
-"""Command line of the study level: `python -m sweep track|report|status ...`."""
+"""Command line of the study level: `python -m sweep track|report|status|fetch ...`."""
 
 from __future__ import annotations
 
@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--state", choices=("done", "failed", "running", "pending"), action="append", default=[],
                    help="list only the points in this state (repeatable; the counts cover every point)")
     s.add_argument("--json", action="store_true", help="print the points as JSON instead")
+    f = sub.add_parser("fetch", help="a study's hub models and data sets into the Hugging Face cache",
+                       description="Run on a node with the network (and the token of a gated model), before the "
+                       "study's jobs, which run offline: downloads what the cache lacks, and says what it fetched.")
+    f.add_argument("--configfile", type=Path, nargs="+", required=True,
+                   help="the study config, and override files merged over it in order, as given to snakemake")
     args = parser.parse_args(argv)
     ended = threading.Event()
     if args.command == "track" and args.follow:  # at once: the job may signal before MLflow is imported
@@ -88,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
             points = status.study_status(study)
             print(json.dumps(status.records(points), indent=1) if args.json
                   else "\n".join(status.report(study, points, tuple(args.state))))
+        elif args.command == "fetch":
+            from sweep.fetch import fetch_missing
+            from sweep.hub_needs import needs
+
+            wanted = needs(_study(args.configfile))
+            fetched = fetch_missing(wanted, say=lambda line: print(line, file=sys.stderr))
+            print(f"klstudy fetch: {len(wanted)} hub model(s) and data set(s) cached, {len(fetched)} fetched now")
         else:
             from sweep.report import report
 

@@ -7,8 +7,12 @@ Errors raise StudyError (`<key>: <what is wrong> (<the fix>)`; the Snakefile add
 warnings and notes come back as lines to print.
 
 - A model's local directory must exist and hold a config.json (else its fetch_model job would fail,
-  on SLURM after queueing). A hub id cannot be checked offline: a note says so, unless the Hugging
-  Face cache has it; with HF_HUB_OFFLINE set, an id missing from the cache is an error.
+  on SLURM after queueing). The jobs run offline (sweep.job_env): every hub model and data set they
+  read must be in the Hugging Face cache, or be fetched by this run before its first job
+  (sweep.fetch); where this node is offline too (HF_HUB_OFFLINE), a missing one is an error that
+  names it and the fetch command.
+- Training runs on one node (a job's processes share one process group on one machine): nodes > 1
+  would hold the other nodes idle, so it is an error.
 - A run directory already there holds a run of its grid point's config (else the study says which
   keys changed, and how to retrain it).
 - A job's device and its GPUs agree: cuda with no GPU fails on a cluster (an error: asking for
@@ -21,9 +25,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sweep import fetch
 from sweep.checks import StudyError
 from sweep.config_schema import schema_problem
 from sweep.grid import Study, load_study
+from sweep.hub_needs import cached, needs
 from sweep.runs import read_config
 from trainer.config import as_saved, differences, from_dict
 from trainer.model import model_source
@@ -35,18 +41,33 @@ WARNING, NOTE = "warning: study config: ", "note: study config: "
 def check_study(config: dict[str, Any], schema_file: Path) -> Study:
     """The validated study; StudyError names the first bad key."""
     study = load_study(config)
+    _check_one_node(study, config)
     problem = schema_problem(config, schema_file)
     if problem is not None:
         raise StudyError(problem)
     return study
 
 
-def preflight(study: Study, rerun: set[str] = frozenset()) -> list[str]:
+def preflight(study: Study, rerun: set[str] = frozenset(), configfiles=None) -> list[str]:
     """The checks that need this machine (paths, the Hugging Face cache, the results so far) or a
     cluster's view (devices against GPUs): StudyError for what would fail, warning and note lines for
-    the rest. `rerun`: points about to be run again from scratch (their directories do not count)."""
+    the rest. `rerun`: points about to be run again from scratch (their directories do not count);
+    `configfiles`: the study's, for the fetch command in messages."""
     _check_run_directories(study, rerun)
-    return [*_model_notes(study), *_device_warnings(study)]
+    _check_model_paths(study)
+    return [*_hub_notes(study, configfiles), *_device_warnings(study)]
+
+
+def _check_one_node(study: Study, config: dict[str, Any]) -> None:
+    """nodes > 1 for training: SLURM would hold the nodes, and the job would train on the first alone."""
+    trains = "nodes" in ((config.get("resources") or {}).get("train") or {})
+    for name, model in study.models.items():
+        nodes = study.resources_for("train", name).get("nodes", 1)
+        if nodes > 1:
+            key = (f"models.{name}.resources.train" if "nodes" in model.resources.get("train", {})
+                   else "resources.train" if trains else "resources.default") + ".nodes"
+            raise StudyError(f"{key}: {nodes}, but training runs on one node (the other nodes would sit idle): "
+                             f"set {key}: 1, and gpus for more GPUs on that node")
 
 
 def _check_run_directories(study: Study, rerun: set[str]) -> None:
@@ -68,26 +89,25 @@ def _check_run_directories(study: Study, rerun: set[str]) -> None:
                          f"{',...' if more else ''} (the old outputs are moved to {study.results / 'discarded'}/)")
 
 
-def _model_notes(study: Study) -> list[str]:
-    notes = []
+def _check_model_paths(study: Study) -> None:
     for name, model in study.models.items():
-        if model.prepared:  # built or imported by the prepare step, into the study's results
-            continue
-        key, path = f"models.{name}.path", model.path
-        problem = model_source.local_problem(path)
+        problem = None if model.prepared else model_source.local_problem(model.path)
         if problem is not None:
-            raise StudyError(f"{key}: {problem} (give a directory that save_pretrained wrote, relative to the "
-                             f"study's directory {Path.cwd()}, or a hub id such as Qwen/Qwen2.5-7B)")
-        if model_source.is_local(path) or model_source.in_hub_cache(path):
-            continue
-        if model_source.offline():
-            raise StudyError(f"{key}: {path} is neither a local directory nor in the Hugging Face cache, and "
-                             f"HF_HUB_OFFLINE is set, so its fetch_model job cannot download it (download it first: "
-                             f"{model_source.download_hint(path)}; or give a local path)")
-        notes.append(f"{NOTE}{key}: {path} is not a local directory here, so it is taken as a hub id, which cannot "
-                     "be checked offline (its fetch_model job downloads it, and fails there if the hub has no such "
-                     "model or it needs a token)")
-    return notes
+            raise StudyError(f"models.{name}.path: {problem} (give a directory that save_pretrained wrote, relative "
+                             f"to the study's directory {Path.cwd()}, or a hub id such as Qwen/Qwen2.5-7B)")
+
+
+def _hub_notes(study: Study, configfiles) -> list[str]:
+    """What the cache lacks: fetched by this run before any job, or an error where this node is offline."""
+    missing = [need for need in needs(study) if not cached(need)]
+    if missing and model_source.offline():
+        first, more = missing[0], len(missing) - 1
+        more = f" (and {more} more)" if more else ""
+        raise StudyError(f"{first.key}: {first} is not in the Hugging Face cache{more}, "
+                         f"and HF_HUB_OFFLINE is set here, so this run cannot fetch it for its offline jobs (fetch "
+                         f"on a node with the network: {fetch.command(configfiles)})")
+    return [f"{NOTE}{need.key}: {need} is not in the Hugging Face cache yet: this run fetches it on this node "
+            "before any job starts (the jobs run offline)" for need in missing]
 
 
 def _device_warnings(study: Study) -> list[str]:

@@ -182,7 +182,7 @@ def test_evaluate_has_no_default_and_its_absence_is_one_clear_error():
     assert load_study(toy(evaluate={"suites": []})).evaluate["suites"] == []  # no evaluation: said, not defaulted
 
 
-def test_local_model_paths_are_checked_and_hub_ids_said_to_be_unchecked(tmp_path, monkeypatch):
+def test_local_model_paths_are_checked_and_hub_ids_fetched_unless_offline(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(StudyError, match=r"^models.mine.path: empty has no config.json: is it a saved HF model\? "):
@@ -193,16 +193,15 @@ def test_local_model_paths_are_checked_and_hub_ids_said_to_be_unchecked(tmp_path
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     hub = load_study(toy(models={"mine": {"path": "klstudy/not-cached"}}))
     assert preflight(hub) == [
-        "note: study config: models.mine.path: klstudy/not-cached is not a local directory here, so it is taken as "
-        "a hub id, which cannot be checked offline (its fetch_model job downloads it, and fails there if the hub "
-        "has no such model or it needs a token)"]
+        "note: study config: models.mine.path: model klstudy/not-cached is not in the Hugging Face cache yet: this "
+        "run fetches it on this node before any job starts (the jobs run offline)"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(StudyError) as error:
         preflight(hub)
     assert str(error.value) == (
-        "models.mine.path: klstudy/not-cached is neither a local directory nor in the Hugging Face cache, and "
-        "HF_HUB_OFFLINE is set, so its fetch_model job cannot download it (download it first: hf download "
-        "klstudy/not-cached; or give a local path)")
+        "models.mine.path: model klstudy/not-cached is not in the Hugging Face cache, and HF_HUB_OFFLINE is set "
+        "here, so this run cannot fetch it for its offline jobs (fetch on a node with the network: python -m sweep "
+        "fetch --configfile STUDY.yaml)")
 
 
 def test_devices_and_gpus_are_checked_per_model_and_rule():
