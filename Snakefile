@@ -1,10 +1,12 @@
 """klstudy's study DAG: prepare -> train (one job per grid point) -> evaluate -> track -> report.
 
 The study config (default workflow/config/toy.yaml; another with --configfile) is checked whole
-before any job starts (sweep.study_check): by sweep.grid, which also validates every run's trainer
-config, then by workflow/config/schema.yaml, then against this machine (model paths, devices against
-GPUs, run directories trained with another config, hub models and data sets missing from the cache
-where this node is offline); each error is one line that names the key. A
+before any job starts (sweep.study_check): once by sweep.grid, against the study schema
+workflow/config/schema.yaml (sweep.study_schema) and then every run's trainer config, then against
+this machine (model paths, devices against GPUs, run directories trained with another config, hub
+models and data sets missing from the cache where this node is offline); each error is one line that
+names the key. Each pending run's config is written to <results>/configs/<run id>.yaml, which its
+training job reads (sweep.run_configs). A
 dry run (-n) also prints the plan (sweep.plan): each job's resources and sbatch options, and where
 each run starts. Every rule calls a package CLI, so each job is a command a person can run by hand.
 

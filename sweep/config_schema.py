@@ -1,9 +1,7 @@
-"""The study config's JSON schema (workflow/config/schema.yaml), each error in one line that names the key.
+"""The study schema's first error (sweep.study_schema), in one line that names the key.
 
-sweep.grid checks a study first, in its own words; the schema then catches what sweep.grid leaves to
-the jobs (the SFT warm-up's fields, top_p's bound, the types of tracking.uri and of the SLURM
-resources). jsonschema's own error ends in a dump of the schema (225 lines for a typo at the top
-level): here an error is the key, what is there and what the schema expects instead.
+jsonschema's own error ends in a dump of the schema (225 lines for a typo at the top level): here an
+error is the key, what is there and what the schema expects instead.
 """
 
 from __future__ import annotations
@@ -12,21 +10,23 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
+from sweep.study_schema import schema as study_schema
 
 _WORDS = {"integer": "a whole number", "number": "a number", "string": "a string", "boolean": "true or false",
           "object": "a mapping", "array": "a list", "null": "null"}
 _PLURALS = {"integer": "whole numbers", "number": "numbers", "string": "strings", "object": "mappings"}
 
 
-def schema_problem(config: dict[str, Any], schema_file: Path) -> str | None:
-    """The first schema error of `config` as `<key>: <what is wrong> (<what is expected>)`, or None."""
+def schema_problem(config: dict[str, Any], schema_file: Path | None = None,
+                   left_to: tuple[str, ...] = ()) -> str | None:
+    """The first schema error of `config` as `<key>: <what is wrong> (<what is expected>)`, or None.
+    `left_to`: the keys under which another check has its own, closer words (its errors are skipped)."""
     import jsonschema
 
-    schema = yaml.safe_load(Path(schema_file).read_text())
+    schema = study_schema(schema_file)
     validator = jsonschema.validators.validator_for(schema)(schema)
-    error = min(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)),
-                default=None)
+    errors = (e for e in validator.iter_errors(config) if not _key(e.absolute_path).startswith(left_to))
+    error = min(errors, key=lambda e: (len(e.absolute_path), str(e.absolute_path)), default=None)
     return None if error is None else _message(error)
 
 
@@ -51,10 +51,16 @@ def _message(error) -> str:
             return f"{where}{unknown[0]}: unknown key (known: {', '.join(known)})"
     if error.validator == "required":
         missing = next(name for name in error.validator_value if name not in value)
-        return f"{where}{missing}: required (expected {expected(schema['properties'].get(missing, {}))})"
-    if error.validator == "oneOf" and all(set(option) == {"required"} for option in error.validator_value):
-        names = [name for option in error.validator_value for name in option["required"]]
+        spec = schema["properties"].get(missing, {})
+        return f"{where}{missing}: required ({spec.get('requiredHint') or f'expected {expected(spec)}'})"
+    options = error.validator_value if error.validator == "oneOf" else None
+    if options and all(set(option) <= {"required", "description"} for option in options):
+        several = sum(name in value for option in options for name in option["required"]) > 1
+        names = [f"{name} ({option['description']})" if several and "description" in option else name
+                 for option in options for name in option["required"]]  # what each is, where several
         return f"{key}: give exactly one of {', '.join(names[:-1])} and {names[-1]}"
+    if error.validator == "minimum" and not isinstance(value, bool):
+        return f"{key}: must be >= {error.validator_value:g}, got {value}"
     return f"{key}: got {value!r} (expected {expected(schema)})"
 
 

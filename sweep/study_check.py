@@ -1,7 +1,7 @@
 """A study config checked whole before anything runs: one pass, one line per problem.
 
-`check_study` is what every Snakemake process does with the config: sweep.grid's checks (in its own
-words), then the JSON schema's (sweep.config_schema). `preflight` is what only the main process
+`check_study` is what every Snakemake process does with the config: sweep.grid validates it once
+(the study schema, then what a schema cannot say). `preflight` is what only the main process
 does, before the DAG: the checks against this machine and against a cluster's view of the jobs.
 Errors raise StudyError (`<key>: <what is wrong> (<the fix>)`; the Snakefile adds `study config: `);
 warnings and notes come back as lines to print.
@@ -27,7 +27,6 @@ from typing import Any
 
 from sweep import fetch
 from sweep.checks import StudyError
-from sweep.config_schema import schema_problem
 from sweep.grid import Study, load_study
 from sweep.hub_needs import cached, needs
 from sweep.runs import read_config
@@ -38,13 +37,10 @@ from trainer.run_files import CONFIG
 WARNING, NOTE = "warning: study config: ", "note: study config: "
 
 
-def check_study(config: dict[str, Any], schema_file: Path) -> Study:
+def check_study(config: dict[str, Any], schema_file: Path | None = None) -> Study:
     """The validated study; StudyError names the first bad key."""
-    study = load_study(config)
+    study = load_study(config, schema_file)
     _check_one_node(study, config)
-    problem = schema_problem(config, schema_file)
-    if problem is not None:
-        raise StudyError(problem)
     return study
 
 

@@ -277,7 +277,7 @@ def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop):
     assert len(tracked["child_run_ids"]) == len(REDUCED_RUNS)
 
     # Finished is finished: nothing to do, even after the package's code and docs change.
-    os.utime(REPO / "trainer" / "loop.py")
+    os.utime(REPO / "trainer" / "run" / "step.py")
     again = snakemake(tmp_path, config, "-n")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
 

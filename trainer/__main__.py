@@ -360,32 +360,23 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _train_runs_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-runs", help="several runs, one after another, in one process",
-                       description="Trains each run of --plan as `train --out DIR OVERRIDES` would, in one process "
+                       description="Trains each run as `train --config FILE --out DIR` would, in one process "
                        "(so interpreter start, imports and loading are paid once: studies bundle their small runs "
                        "this way). Every config is validated before the first run starts; a finished run is skipped "
                        "without being opened; a run that fails does not stop the others (its FAILED file says why, "
                        "and the exit status is then 1); SIGTERM checkpoints the current run and "
                        "exits with 75, and the same command resumes.")
-    p.add_argument("--plan", required=True, help='JSON: {"RUN_DIR": ["section.key=value", ...], ...}')
+    runs = p.add_mutually_exclusive_group(required=True)
+    runs.add_argument("--run", nargs=2, action="append", type=Path, metavar=("CONFIG", "DIR"),
+                      help="a run: its config YAML and its run directory (repeat for each run)")
+    runs.add_argument("--plan", help='JSON: {"RUN_DIR": ["section.key=value", ...], ...}')
     p.set_defaults(func=_run_train_runs)
 
 
 def _run_train_runs(args: argparse.Namespace) -> int:
-    from trainer import config as run_config
     from trainer.run import EXIT_PREEMPTED, TrainingError, train
 
-    try:
-        plan = json.loads(args.plan)
-    except json.JSONDecodeError as error:
-        raise run_config.ConfigError(f"--plan: not JSON ({error})") from None
-    if not isinstance(plan, dict) or not all(isinstance(v, list) for v in plan.values()):
-        raise run_config.ConfigError('--plan: expected {"RUN_DIR": ["section.key=value", ...], ...}')
-    configs = {}
-    for out, overrides in plan.items():
-        try:
-            configs[Path(out)] = run_config.load(None, [str(o) for o in overrides])
-        except run_config.ConfigError as error:
-            raise run_config.ConfigError(f"--plan {out}: {error}") from None
+    configs = _run_configs(args.run) if args.run else _plan_configs(args.plan)
     failed = []
     for number, (out, config) in enumerate(configs.items(), start=1):
         log.info("run %d of %d: %s", number, len(configs), out)
@@ -399,6 +390,38 @@ def _run_train_runs(args: argparse.Namespace) -> int:
         log.error("%d of %d runs failed: %s (each run's FAILED says why; `python -m sweep status` lists them)",
                   len(failed), len(configs), ", ".join(map(str, failed)))
     return 1 if failed else 0
+
+
+def _run_configs(runs: list[tuple[Path, Path]]) -> dict[Path, object]:
+    """`--run CONFIG DIR`...: each run directory's validated config, read from its file."""
+    from trainer import config as run_config
+
+    configs = {}
+    for path, out in runs:
+        try:
+            configs[out] = run_config.load(path)
+        except run_config.ConfigError as error:
+            raise run_config.ConfigError(f"--run {path} {out}: {error}") from None
+    return configs
+
+
+def _plan_configs(plan_json: str) -> dict[Path, object]:
+    """`--plan JSON`: each run directory's validated config, from its `section.key=value` overrides."""
+    from trainer import config as run_config
+
+    try:
+        plan = json.loads(plan_json)
+    except json.JSONDecodeError as error:
+        raise run_config.ConfigError(f"--plan: not JSON ({error})") from None
+    if not isinstance(plan, dict) or not all(isinstance(v, list) for v in plan.values()):
+        raise run_config.ConfigError('--plan: expected {"RUN_DIR": ["section.key=value", ...], ...}')
+    configs = {}
+    for out, overrides in plan.items():
+        try:
+            configs[Path(out)] = run_config.load(None, [str(o) for o in overrides])
+        except run_config.ConfigError as error:
+            raise run_config.ConfigError(f"--plan {out}: {error}") from None
+    return configs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 # train: one job per pending grid point, or `bundle.train` pending grid points per job (trained one after
-# another in one process: `python -m trainer train-runs`). The run directory is the state (sweep.jobs): a
-# finished run (COMPLETE, which the trainer writes last) is in no job, so nothing reopens it; an interrupted
-# one resumes from its newest valid checkpoint; a failed one records why (FAILED) without stopping the
+# another in one process: `python -m trainer train-runs`). A job reads its runs' configs from the files the
+# main process wrote as it planned (<results>/configs/<run id>.yaml, sweep.run_configs). The run directory
+# is the state (sweep.jobs): a finished run (COMPLETE, which the trainer writes last) is in no job, so
+# nothing reopens it; an interrupted one resumes from its newest valid checkpoint; a failed one records why (FAILED) without stopping the
 # others of its job. Snakemake sees a run through its `.done` file (sweep.jobs), which the job writes when
 # it succeeds: Snakemake never deletes or touches a run's own files. With live tracking (below), a follower streams the
 # job's runs' metrics to the tracking server while they train. A job with several GPUs runs the trainer
@@ -11,8 +12,12 @@
 import os
 import subprocess
 
+from sweep import run_configs
+
 MODEL_READY = {run.run_id: STUDY.model_ready(run.model) for run in STUDY.runs}
-OVERRIDES = {run.run_id: run.overrides() for run in STUDY.runs}
+CONFIG_FILE = {run.run_id: str(run_configs.config_file(STUDY, run.run_id)) for run in STUDY.runs}
+if RUNS_JOBS:  # the pending runs' configs, each in the file its job reads (sweep.run_configs)
+    run_configs.write(STUDY, WORK.runs)
 
 
 def train_launcher(model):
@@ -74,7 +79,7 @@ if STUDY.bundle["train"] == 1:
         params:
             out=f"{RESULTS}/runs/{{run}}",  # a string: Snakemake fills wildcards into strings only
             follow=f"{RESULTS}/runs/{{run}}",
-            overrides=lambda wc: OVERRIDES[wc.run],
+            config=lambda wc: CONFIG_FILE[wc.run],
             launcher=lambda wc: train_launcher(STUDY.run(wc.run).model),
             results=RESULTS,
             study=STUDY.name,
@@ -85,7 +90,7 @@ if STUDY.bundle["train"] == 1:
         resources:
             **rule_resources("train", per_model=True),
         shell:
-            follower()[0] + "        {params.launcher} train --out {params.out} {params.overrides:q} > {log.train} 2>&1\n"
+            follower()[0] + "        {params.launcher} train --config {params.config:q} --out {params.out} > {log.train} 2>&1\n"
             + follower()[1] + "        touch {output}\n"
 
 else:
@@ -101,7 +106,7 @@ else:
             output:
                 [WORK.done("train", run) for run in runs],
             params:
-                plan=json.dumps({f"{RESULTS}/runs/{run}": OVERRIDES[run] for run in runs}),
+                runs=shlex.join(arg for run in runs for arg in ("--run", CONFIG_FILE[run], f"{RESULTS}/runs/{run}")),
                 follow=f"{RESULTS}/runs/{runs[-1]}",
                 launcher=train_launcher(model),
                 results=RESULTS,
@@ -114,5 +119,5 @@ else:
                 **model_resources("train", model),
             shell:
                 follower(" ".join(shlex.quote(f"{RESULTS}/runs/{run}") for run in runs))[0]
-                + "        {params.launcher} train-runs --plan {params.plan:q} > {log.train} 2>&1\n"
+                + "        {params.launcher} train-runs {params.runs} > {log.train} 2>&1\n"
                 + follower()[1] + "        touch {output}\n"

@@ -1,0 +1,48 @@
+"""Each run's config as the file its training job reads (sweep.run_configs): the study's config of the
+run exactly, written once, rewritten only when it changes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from sweep import run_configs
+from sweep.grid import load_study
+from trainer import config as run_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def study(tmp_path, name="toy_offpolicy"):
+    data = yaml.safe_load((REPO / "workflow" / "config" / f"{name}.yaml").read_text())
+    return load_study({**data, "results": str(tmp_path / "results")})
+
+
+def test_a_config_file_is_the_runs_config_and_is_written_once(tmp_path):
+    toy = study(tmp_path)
+    ids = [run.run_id for run in toy.runs]
+    assert len(run_configs.write(toy, ids)) == len(ids)
+    for run in toy.runs:  # the trainer reads the very config the study resolved
+        path = run_configs.config_file(toy, run.run_id)
+        assert path == tmp_path / "results" / "configs" / f"{run.run_id}.yaml"
+        assert yaml.safe_load(path.read_text()) == run.config
+        assert run_config.load(path) == run_config.from_dict(run.config)
+    first = run_configs.config_file(toy, ids[0])
+    os.utime(first, (1, 1))
+    assert run_configs.write(toy, ids) == [] and first.stat().st_mtime == 1  # unchanged: not touched
+    first.write_text("train: {steps: 1}\n")
+    assert run_configs.write(toy, ids) == [first]
+
+
+def test_train_runs_reads_config_files_and_checks_them_all_first(tmp_path):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("model: {path: some/model}\ntrain: {steps: 2}\n")
+    bad.write_text("train: {stepz: 2}\n")
+    refused = subprocess.run([sys.executable, "-m", "trainer", "train-runs", "--run", str(good), str(tmp_path / "a"),
+                              "--run", str(bad), str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and f"--run {bad} {tmp_path / 'b'}: train.stepz: unknown key" in refused.stderr
+    assert not (tmp_path / "a").exists()
