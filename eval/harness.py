@@ -199,6 +199,12 @@ def evaluate(settings: EvalSettings, out_dir: Path) -> dict[str, Any]:
     return metrics
 
 
+def _stderr(row: dict[str, Any], metric: str) -> float | None:
+    """A metric's standard error, or None where lm-eval has none: it writes "N/A" for one problem."""
+    value = row.get(f"{metric}_stderr,{FILTER}")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def _metrics(settings: EvalSettings, result: dict[str, Any]) -> dict[str, Any]:
     sampling = {"samples": settings.k, "greedy": settings.greedy, "max_gen_toks": settings.max_gen_toks}
     if not settings.greedy:
@@ -207,12 +213,12 @@ def _metrics(settings: EvalSettings, result: dict[str, Any]) -> dict[str, Any]:
     for task in settings.tasks:
         row = result["results"][task]
         entry = {
-            "metric": "pass@1", "value": row[f"pass_at_1,{FILTER}"], "stderr": row.get(f"pass_at_1_stderr,{FILTER}"),
+            "metric": "pass@1", "value": row[f"pass_at_1,{FILTER}"], "stderr": _stderr(row, "pass_at_1"),
             "n": result["n-samples"][task]["effective"], "data": settings.data.get(task, "default"),
         }
         if settings.k > 1:
             entry["pass@k"] = {"k": settings.k, "value": row[f"pass_at_k,{FILTER}"],
-                               "stderr": row.get(f"pass_at_k_stderr,{FILTER}")}
+                               "stderr": _stderr(row, "pass_at_k")}
         tasks[task] = entry
     settings_record = {k: v for k, v in asdict(settings).items() if k not in ("tasks", "data")}
     return {"model": settings.model, "backend": settings.backend, "chat_template": settings.chat_template,

@@ -134,6 +134,18 @@ def test_a_known_answer_fixture_is_scored_exactly(warm_model, tmp_path):
     assert [s["pass_at_1"] for s in samples] == by_hand
 
 
+def test_one_problem_has_no_standard_error_and_is_reported(warm_model, tmp_path):
+    """lm-eval writes the standard error of a single problem as "N/A": it is recorded as none, and the
+    printed line goes without it (it stopped the evaluation with a format error)."""
+    out = tmp_path / "one"
+    result = eval_cli("--model", str(warm_model), "--suite", "arith", "--samples", "2", "--limit", "1",
+                      "--max-gen-toks", "4", "--out", str(out), "--data", f"arith={DATA / 'arith.jsonl'}")
+    assert result.returncode == 0, result.stderr
+    row = json.loads((out / "metrics.json").read_text())["tasks"]["arith"]
+    assert row["n"] == 1 and row["stderr"] is None and row["pass@k"]["stderr"] is None
+    assert "pass@1" in result.stdout and "±" not in result.stdout
+
+
 def test_greedy_and_chat_template_options(warm_model, tmp_path):
     out = tmp_path / "greedy"
     result = eval_cli("--model", str(warm_model), "--suite", "arith", "--greedy", "--chat-template", "--limit", "2",
