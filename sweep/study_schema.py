@@ -22,10 +22,12 @@ def _choices() -> dict[str, tuple[str, ...]]:
     """What `choices: NAME` in the schema stands for."""
     from eval.harness import BACKENDS
     from eval.suites import SUITES, TASKS
-    from trainer.choices import ESTIMATORS, PLACEMENTS, TASK_NAMES
+    from trainer.choices import TASK_NAMES
+    from trainer.objective import estimators, placements
 
-    return {"TASK_NAMES": TASK_NAMES, "ESTIMATORS": ESTIMATORS, "KL_PLACEMENTS": tuple(PLACEMENTS[1:]),
-            "SUITES_AND_TASKS": (*SUITES, *TASKS), "BACKENDS": BACKENDS}
+    return {"TASK_NAMES": TASK_NAMES, "ESTIMATORS": estimators.REGISTRY.names,
+            "KL_PLACEMENTS": placements.kl_placements(), "SUITES_AND_TASKS": (*SUITES, *TASKS),
+            "BACKENDS": BACKENDS}
 
 
 def _evaluate_hint() -> str:
@@ -50,18 +52,23 @@ def _filled(node: Any, choices: dict[str, tuple[str, ...]]) -> Any:
 
 
 @lru_cache(maxsize=4)
-def _load(path: Path) -> dict[str, Any]:
-    return _filled(yaml.safe_load(Path(path).read_text()), _choices())
+def _load(path: Path, choices: tuple[tuple[str, tuple[str, ...]], ...]) -> dict[str, Any]:
+    return _filled(yaml.safe_load(Path(path).read_text()), dict(choices))
+
+
+def _current(path: Path) -> dict[str, Any]:
+    """The schema filled with the names registered now (so that a plugin's count whenever it registers)."""
+    return _load(Path(path), tuple(_choices().items()))
 
 
 def schema(path: Path | None = None) -> dict[str, Any]:
     """The schema, its `choices: NAME` replaced by `enum: [the names]` (a copy: callers may change it)."""
-    return copy.deepcopy(_load(Path(path or SCHEMA_FILE)))
+    return copy.deepcopy(_current(Path(path or SCHEMA_FILE)))
 
 
 def defaults(*keys: str) -> dict[str, Any]:
     """The defaults of a mapping's keys, at the dotted path `keys` (`evaluate`; `data`'s entries: "data", "*")."""
-    node = _load(SCHEMA_FILE)
+    node = _current(SCHEMA_FILE)
     for key in keys:
         node = node["additionalProperties"] if key == "*" else node["properties"][key]
     return {name: copy.deepcopy(spec["default"]) for name, spec in node["properties"].items() if "default" in spec}
@@ -70,4 +77,4 @@ def defaults(*keys: str) -> dict[str, Any]:
 def default(*keys: str) -> Any:
     """One key's default, at the dotted path `keys` (`results`; `resources`, `default`)."""
     *parent, name = keys
-    return defaults(*parent)[name] if parent else copy.deepcopy(_load(SCHEMA_FILE)["properties"][name]["default"])
+    return defaults(*parent)[name] if parent else copy.deepcopy(_current(SCHEMA_FILE)["properties"][name]["default"])
