@@ -35,12 +35,7 @@ class KlLossRatio:
 REGISTRY: Registry[KlLossRatio] = Registry("KL-loss ratio")
 
 
-def register(name: str, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register the decorated function as KL-loss ratio `name`."""
-    def add(weight: Callable[..., Any]) -> Callable[..., Any]:
-        REGISTRY.register(KlLossRatio(name, weight, **options))
-        return weight
-    return add
+register = REGISTRY.decorator(KlLossRatio)  # @register(name, **options) over the function
 
 
 @register("none")

@@ -34,12 +34,7 @@ class LossAgg:
 REGISTRY: Registry[LossAgg] = Registry("loss aggregation")
 
 
-def register(name: str, **options: Any) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
-    """Register the decorated function as aggregation `name`."""
-    def add(reduce: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        REGISTRY.register(LossAgg(name, reduce, **options))
-        return reduce
-    return add
+register = REGISTRY.decorator(LossAgg)  # @register(name, **options) over the function
 
 
 @register("seq-mean-token-sum", sums_tokens=True)

@@ -41,12 +41,7 @@ class PgRatio:
 REGISTRY: Registry[PgRatio] = Registry("policy-gradient ratio")
 
 
-def register(name: str, **options: Any) -> Callable[[Callable[..., PolicyGradient]], Callable[..., PolicyGradient]]:
-    """Register the decorated function as policy-gradient ratio `name`."""
-    def add(term: Callable[..., PolicyGradient]) -> Callable[..., PolicyGradient]:
-        REGISTRY.register(PgRatio(name, term, **options))
-        return term
-    return add
+register = REGISTRY.decorator(PgRatio)  # @register(name, **options) over the function
 
 
 def _bound(ratio: Tensor, config: Any) -> tuple[Tensor, Tensor | None]:

@@ -10,7 +10,7 @@ validate in milliseconds.
 
 from __future__ import annotations
 
-from typing import Generic, Iterator, Protocol, TypeVar
+from typing import Any, Callable, Generic, Iterator, Protocol, TypeVar
 
 
 class Named(Protocol):
@@ -54,6 +54,16 @@ class Registry(Generic[Spec]):
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._specs)
+
+    def decorator(self, spec: Callable[..., Spec]) -> Callable[..., Callable[[Callable], Callable]]:
+        """`register` for a registry of functions: `@register(name, **options)` registers
+        `spec(name, function, **options)` and leaves the function as it is."""
+        def register(name: str, **options: Any) -> Callable[[Callable], Callable]:
+            def add(function: Callable) -> Callable:
+                self.register(spec(name, function, **options))
+                return function
+            return add
+        return register
 
     def order(self, name: str) -> int:
         """A name's position (for sorting); unknown names last."""
