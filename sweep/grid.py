@@ -94,6 +94,7 @@ class Study:
     tracking_uri: str | None
     resources: dict[str, dict[str, Any]]  # rule -> resources (defaults merged in)
     bundle: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BUNDLED, 1))
+    budget: dict[str, Any] = field(default_factory=lambda: defaults("budget"))  # sweep.budget's estimates
     by_id: dict[str, RunSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -140,20 +141,6 @@ class Study:
         if model is not None:
             merged.update(self.models[model].resources.get(rule, {}))
         return merged
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _models(data: dict[str, Any]) -> dict[str, ModelSpec]:
@@ -291,5 +278,10 @@ def load_study(data: dict[str, Any], schema_file: Path | None = None) -> Study:
         duplicate = next(i for i in ids if ids.count(i) > 1)
         raise StudyError(f"grid: two grid points share the run id {duplicate} (values that print alike, such as "
                          "the betas 0.1 and 0.10000000001)")
+    budget = {**defaults("budget"), **mapping(data.get("budget"), "budget")}
+    per_model = budget.get("step_seconds")
+    for model in per_model if isinstance(per_model, dict) else ():
+        if model not in models:
+            raise StudyError(f"budget.step_seconds.{model}: not a model of the study ({', '.join(models)})")
     return Study(name, Path(results), models, runs, study_data, evaluate, tracking.get("uri"), resources,
-                 {**defaults("bundle"), **mapping(data.get("bundle"), "bundle")})
+                 {**defaults("bundle"), **mapping(data.get("bundle"), "bundle")}, budget)

@@ -7,7 +7,8 @@ resources each gets from the study config, and the sbatch options the submitit e
 (`--submitit-partition ...` on the command line, else the environment's SNAKEMAKE_SUBMITIT_PARTITION
 ...; a rule's `slurm_partition` resource wins over both). Then each run's state: it starts fresh,
 resumes from step N (the newest checkpoint that passes the trainer's
-own check), or is finished.
+own check), or is finished. Last, the budget of the work left (sweep.budget): GPU-hours per group and
+for the study, and whether a stopped job has the time to save its run.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from snakemake_executor_plugin_submitit.resources import slurm_parameters
+from sweep import budget
 from sweep.grid import Study
 from sweep.jobs import Work
-from trainer.config import TrainConfig
 from trainer.run_files import COMPLETE
 
 SETTINGS = ("partition", "account", "qos")  # the executor's defaults for every job
@@ -100,7 +101,8 @@ def plan(study: Study, work: Work, argv: list[str], environ: Mapping[str, str]) 
                  [*said, *([f"no {', '.join(unset)}: the cluster's defaults"] if unset else [])]),
              "  the jobs of the work left (train and evaluate: the pending runs and evaluations) and what each gets"
              " (cpus are Snakemake's threads; on SLURM, the sbatch options):"]
-    for what, jobs, resources in job_groups(study, work):
+    groups = job_groups(study, work)
+    for what, jobs, resources in groups:
         shown = ", ".join(f"{key} {value}" for key, value in resources.items())
         lines += [f"    {what}: {jobs} job{'s' * (jobs != 1)}", f"      resources {shown}",
                   f"      sbatch {sbatch_options(resources, defaults)}"]
@@ -110,6 +112,7 @@ def plan(study: Study, work: Work, argv: list[str], environ: Mapping[str, str]) 
                  f"{counts['finished']} finished")
     for run, (state, step) in states.items():
         if state == "resumes":
-            lines.append(f"    {run} resumes from step {step} of "
-                         f"{study.run(run).config.get('train', {}).get('steps', TrainConfig.steps)}")
-    return lines
+            lines.append(f"    {run} resumes from step {step} of {budget.steps_of(study.run(run).config)}")
+    steps_left = {run: budget.steps_of(study.run(run).config) - (step or 0)
+                  for run, (state, step) in states.items() if state != "finished"}
+    return lines + budget.budget_lines(study, groups, steps_left, budget.signal_delay(argv, environ))

@@ -76,7 +76,7 @@ def test_a_typo_outside_run_names_the_key_in_one_line(tmp_path):
     result = dry_run(tmp_path, config)
     assert result.returncode != 0 and not (tmp_path / "results").exists()
     assert error_lines(result) == ["study config: evalute: unknown key (known: study, results, models, grid, run, "
-                                   "data, evaluate, tracking, resources, bundle)"]
+                                   "data, evaluate, tracking, resources, bundle, budget)"]
     assert len((result.stdout + result.stderr).splitlines()) < 8, result.stderr
 
 
@@ -127,6 +127,11 @@ def test_the_dry_run_shows_each_jobs_sbatch_options_and_where_each_run_starts(tm
             "      sbatch --cpus-per-task=1 --mem=2000M --time=30 --partition=gpu --account=lab\n") in plan
     assert ("  runs: 28 start fresh, 1 resume from a checkpoint, 1 finished\n"
             "    toy-sft__k3-loss__b0.1__s2 resumes from step 30 of 150\n") in plan
+    # the budget: the resumed run's 120 steps and 28 x 150; no step logged and no estimate, so unknown
+    assert ("  budget (the work left; a job's GPUs x its hours):\n"
+            "    train, toy-sft: 29 runs, 4,320 steps left: unknown (no run of this model has logged a step yet: "
+            "set budget.step_seconds to price it)\n"
+            "    study: training unknown (no step cost for toy-sft)\n") in result.stdout
 
 
 # --- the checks themselves ----------------------------------------------------------------------------

@@ -1,0 +1,145 @@
+"""The plan's budget (sweep.budget): training priced by steps x seconds per step x GPUs, the seconds measured
+on the study's own runs before any estimate; the other jobs bounded by their time limits; and whether the
+executor's signal delay leaves time for a step and the checkpoint, whose size it reckons from the model's
+safetensors headers as three copies of the weights (checked against a checkpoint the trainer writes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from sweep import budget
+from sweep.grid import load_study
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def paper_study(tmp_path: Path, **sections):
+    config = yaml.safe_load((REPO / "workflow" / "config" / "paper.yaml").read_text())
+    return load_study({**config, "results": str(tmp_path), **sections})
+
+
+def log_steps(study, run_id: str, times: list[float]) -> None:
+    run = study.results / "runs" / run_id
+    run.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"step": i, "step_time": t}) for i, t in enumerate(times)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n{\"step\": 9, \"step_t")  # the last line cut by a kill
+
+
+def test_seconds_per_step_are_measured_on_the_studys_runs_before_any_estimate(tmp_path):
+    study = paper_study(tmp_path, budget={"step_seconds": {"Qwen2.5-7B": 40}})
+    assert budget.step_cost(study, "Qwen2.5-7B") == budget.StepCost(40.0, "estimate: budget.step_seconds")
+    assert budget.step_cost(study, "Qwen3-4B-Instruct-2507").seconds is None
+    qwen = [run.run_id for run in study.runs if run.model == "Qwen2.5-7B"]
+    log_steps(study, qwen[0], [10.0, 30.0, 31.0])
+    log_steps(study, qwen[1], [29.0, 32.0])
+    measured = budget.step_cost(study, "Qwen2.5-7B")
+    assert measured == budget.StepCost(30.0, "measured: median of 5 steps of 2 runs of this study")
+    one = paper_study(tmp_path, budget={"step_seconds": 12.5})  # one number prices every model
+    assert budget.step_cost(one, "Qwen3-4B-Instruct-2507").seconds == 12.5
+
+
+def test_the_paper_studys_budget_prices_what_it_can_and_says_what_it_cannot(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no hub here: the sizes stay unknown
+    study = paper_study(tmp_path, budget={"step_seconds": {"Qwen2.5-7B": 36, "Llama-3.1-8B-Instruct": 36}})
+    steps_left = {run.run_id: 250 for run in study.runs}
+    groups = [("evaluate, all", 666, study.resources_for("evaluate")), ("track", 1, study.resources_for("track"))]
+    lines = budget.budget_lines(study, groups, steps_left, (120, "profiles/slurm/config.yaml"))
+    # 111 runs x 250 steps x 36 s = 277.5 job-hours; x 8 GPUs = 2,220 GPU-hours per 8-GPU model
+    assert ("    train, Qwen2.5-7B: 111 runs, 27,750 steps left x 36 s (estimate: budget.step_seconds): "
+            "278 job-hours x 8 GPUs: 2,220 GPU-hours") in lines
+    assert any(line.startswith("    train, Qwen3-4B-Instruct-2507: 111 runs, 27,750 steps left: unknown")
+               for line in lines)
+    assert "    evaluate, all: 666 jobs x 1 GPU x at most 240 min: at most 2,664 GPU-hours" in lines
+    assert ("    study: 4,440 GPU-hours for training, and unknown for Qwen3-4B-Instruct-2507; "
+            "at most 2,664 GPU-hours for the other jobs") in lines
+    assert not any(line.startswith("    track") for line in lines)  # no GPU, no GPU-hours
+    assert ("  saving on a stop: signal_delay 120 s (profiles/slurm/config.yaml) gives a training job 100 s to "
+            "finish its step and write its checkpoint, at 500 MB/s (budget.write_mb_per_s):") in lines
+    assert ("    Qwen2.5-7B: size unknown (its weights are neither on this node nor readable from the hub from "
+            "here)") in lines
+
+
+def test_a_resumed_run_counts_only_its_steps_left_and_nodes_multiply_gpus(tmp_path):
+    study = paper_study(tmp_path, budget={"step_seconds": 36},
+                        resources={"train": {"gpus": 8, "nodes": 2}, "evaluate": {"gpus": 1}})
+    one = next(run for run in study.runs if run.model == "Qwen2.5-7B").run_id
+    lines, gpu_hours, unknown = budget.train_lines(study, {one: 100})
+    assert lines == ["    train, Qwen2.5-7B: 1 run, 100 steps left x 36 s (estimate: budget.step_seconds): "
+                     "1 job-hours x 16 GPUs: 16 GPU-hours"]  # the model's own 8 GPUs per node, on 2 nodes
+    assert budget.job_gpus({"gpus": 8, "nodes": 2}) == 16 and budget.job_gpus({"cpus": 4}) == 0
+
+
+def write_model(directory: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text("{}")
+    save_file({name: torch.zeros(shape) for name, shape in shapes.items()}, directory / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def test_the_checkpoint_check_says_whether_the_signal_delay_is_enough(tmp_path):
+    weights = tmp_path / "qwen"
+    write_model(weights, {"embed": (1000, 500), "layer.0": (500, 500)})  # 750,000 parameters
+    study = paper_study(tmp_path, models={"Qwen2.5-7B": {"path": str(weights)}},
+                        budget={"step_seconds": 50, "write_mb_per_s": 0.1})
+    assert budget.parameter_count(study, "Qwen2.5-7B") == 750_000
+    steps_left = {run.run_id: 250 for run in study.runs}
+    # 750,000 x 3 x float32 = 9 MB, at 0.1 MB/s: 90 s, after a 50 s step: 140 s, more than 120 - 20
+    short = budget.checkpoint_lines(study, steps_left, (120, "--submitit-signal-delay"))
+    assert short[1] == ("    Qwen2.5-7B: 0.00075e9 parameters x 3 x float32 = 9.0 MB, written in 90 s after a step "
+                        "of 50 s: NOT enough: set the executor's signal delay to at least 160 s "
+                        "(`submitit-signal-delay` in the profile), or the job is killed mid-write and resumes from "
+                        "its previous checkpoint")
+    assert budget.checkpoint_lines(study, steps_left, (160, "x"))[1].endswith(": enough")
+    bf16 = paper_study(tmp_path, models={"Qwen2.5-7B": {"path": str(weights)}}, budget={"step_seconds": 50},
+                       run={"model": {"dtype": "bfloat16"}, "task": {"name": "math"}})
+    assert "= 4.5 MB" in budget.checkpoint_lines(bf16, steps_left, (120, "x"))[1]
+
+
+def test_three_copies_of_the_weights_are_what_the_trainer_writes(tmp_path):
+    """The size the check reckons against a checkpoint written as the trainer writes it: the weights, and
+    the AdamW state of one update, gathered whole."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer import checkpoint
+    from trainer.distributed import full_optimizer_state
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    written = checkpoint.save(tmp_path / "checkpoints", 1, model,
+                              {"optimizer": full_optimizer_state(model, optimizer)}, keep=1)
+    size = sum(path.stat().st_size for path in written.rglob("*") if path.is_file())
+    params = sum(budget._tensor_elements(path) for path in (written / "model").glob("*.safetensors"))
+    assert params == sum(p.numel() for p in model.parameters())
+    assert size == pytest.approx(params * 4 * budget.COPIES, rel=0.05)
+
+
+def test_the_signal_delay_comes_from_the_command_line_the_environment_the_profile_or_the_default(tmp_path):
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    (profile / "config.yaml").write_text("executor: submitit\nsubmitit-signal-delay: 300\n")
+    assert budget.signal_delay(["snakemake", "--submitit-signal-delay", "200"], {}) == (200, "--submitit-signal-delay")
+    assert budget.signal_delay(["snakemake", "--submitit-signal-delay=210"], {}) == (210, "--submitit-signal-delay")
+    env = {"SNAKEMAKE_SUBMITIT_SIGNAL_DELAY": "250"}
+    assert budget.signal_delay(["snakemake", "--profile", str(profile)], env) == (250, next(iter(env)))
+    assert budget.signal_delay(["snakemake", "--profile", str(profile)], {}) == (300, str(profile / "config.yaml"))
+    assert budget.signal_delay(["snakemake"], {"SNAKEMAKE_PROFILE": str(profile)})[0] == 300
+    assert budget.signal_delay(["snakemake"], {}) == (90, "the executor's default")
+    assert budget.signal_delay(["snakemake", "--profile", str(REPO / "profiles" / "slurm")], {})[0] == 120
+
+
+def test_a_budget_for_a_model_the_study_lacks_is_one_clear_error(tmp_path):
+    from sweep.grid import StudyError
+
+    with pytest.raises(StudyError, match=r"^budget.step_seconds.Qwen7B: not a model of the study \(Qwen2.5-7B, "):
+        paper_study(tmp_path, budget={"step_seconds": {"Qwen7B": 30}})
