@@ -171,8 +171,8 @@ def checkpoint_lines(study: Study, steps_left: Mapping[str, int], signal_delay: 
         size_mb = params * BYTES.get(dtype, 4) * COPIES / 1e6
         write_s = size_mb / speed
         step_s = step_cost(study, model).seconds
-        said = (f"    {model}: {params / 1e9:.3g}e9 parameters x {COPIES} x {dtype} = {_size(size_mb)}, "
-                f"written in {write_s:,.0f} s")
+        said = (f"    {model}: {_count(params)} parameters x {COPIES} x {dtype} = {_size(size_mb)}, "
+                f"written in {_seconds(write_s)} s")
         if step_s is None:
             said, need = f"{said} after a step of unknown time", write_s
         else:
@@ -184,6 +184,14 @@ def checkpoint_lines(study: Study, steps_left: Mapping[str, int], signal_delay: 
                          f"{math.ceil(need) + EXECUTOR_MARGIN_S} s (`submitit-signal-delay` in the profile), or "
                          "the job is killed mid-write and resumes from its previous checkpoint")
     return lines
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.3g}B" if params >= 1e9 else f"{params / 1e6:.3g}M" if params >= 1e6 else f"{params:,}"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
 
 
 def _size(mb: float) -> str:

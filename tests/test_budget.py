@@ -93,7 +93,7 @@ def test_the_checkpoint_check_says_whether_the_signal_delay_is_enough(tmp_path):
     steps_left = {run.run_id: 250 for run in study.runs}
     # 750,000 x 3 x float32 = 9 MB, at 0.1 MB/s: 90 s, after a 50 s step: 140 s, more than 120 - 20
     short = budget.checkpoint_lines(study, steps_left, (120, "--submitit-signal-delay"))
-    assert short[1] == ("    Qwen2.5-7B: 0.00075e9 parameters x 3 x float32 = 9.0 MB, written in 90 s after a step "
+    assert short[1] == ("    Qwen2.5-7B: 750,000 parameters x 3 x float32 = 9.0 MB, written in 90 s after a step "
                         "of 50 s: NOT enough: set the executor's signal delay to at least 160 s "
                         "(`submitit-signal-delay` in the profile), or the job is killed mid-write and resumes from "
                         "its previous checkpoint")

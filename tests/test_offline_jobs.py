@@ -106,7 +106,8 @@ def test_a_gated_model_without_a_token_stops_the_study_before_any_job(hub, tmp_p
 def test_jobs_run_offline_and_never_see_the_token(hub, tmp_path):
     """A study whose model is gated and whose training and evaluation data come from the hub: everything is
     fetched by Snakemake's own process with HF_TOKEN; every job's processes run with the hub out of reach
-    and no token, and the token is in no file the study wrote."""
+    and no token, and the token is in no file the study wrote (the runs' config.yaml, the logs, MLflow's
+    store with every run's params) nor in Snakemake's output."""
     spy, envs = tmp_path / "spy", tmp_path / "envs"
     spy.mkdir()
     envs.mkdir()
@@ -125,7 +126,8 @@ def test_jobs_run_offline_and_never_see_the_token(hub, tmp_path):
         assert job["env"] == {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9",
                               "HF_TOKEN": None, "HUGGING_FACE_HUB_TOKEN": None}, job
     written = [path for path in (tmp_path / "study").rglob("*") if path.is_file()]
-    assert any(path.name == "config.yaml" for path in written)
+    # the runs' configs and the MLflow store (params, tags, the run's files) are among the files searched
+    assert {"config.yaml", "mlflow.db"} <= {path.name for path in written}
     leaked = [str(path) for path in written if hub.token.encode() in path.read_bytes()]
     assert not leaked and hub.token not in done.stdout
 
