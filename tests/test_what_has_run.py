@@ -1,0 +1,33 @@
+"""The table of what has run where is one source (docs/what_has_run.yaml) shown on three pages: each
+page's table is the YAML's, its links relative to the page and resolving in the repository."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("what_has_run", REPO / "docs" / "what_has_run.py")
+what_has_run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(what_has_run)
+
+
+def test_every_pages_table_is_the_sources():
+    assert what_has_run.stale() == [], "run: python docs/what_has_run.py --write"
+
+
+def test_the_tables_links_resolve_from_each_page():
+    for page in what_has_run.PAGES:
+        targets = re.findall(r"\]\(([^)#\s]+)", what_has_run.table(page))
+        assert targets, page
+        for target in targets:
+            assert (REPO / os.path.dirname(page) / target).is_file(), (page, target)
+
+
+def test_a_changed_source_shows_as_a_stale_page(tmp_path, monkeypatch):
+    source = tmp_path / "what_has_run.yaml"
+    source.write_text(what_has_run.SOURCE.read_text().replace("not run (vLLM's CUDA build", "yes (vLLM's CUDA build"))
+    monkeypatch.setattr(what_has_run, "SOURCE", source)
+    assert what_has_run.stale() == list(what_has_run.PAGES)
