@@ -1,5 +1,5 @@
-"""DESIGN.md's arrows, read from the source: which package imports which, and no cycles inside sweep
-or the objective.
+"""The arrows of docs/layout.md, "Which way the imports point", read from the source: which package
+imports which, and no cycles inside sweep or the objective.
 
 Every import counts, at the top of a module or inside a function: a cycle that only lazy imports
 keep from failing is still a cycle (sweep.report and sweep.tracking had one)."""

@@ -1,4 +1,4 @@
-"""KL_THEORY.md's identities, checked by exact enumeration through compute_loss (float64).
+"""The KL identities of docs/concepts/theory.md, checked by exact enumeration through compute_loss (float64).
 
 The KL part of an expected gradient is (E[grad loss] - E[grad loss with no KL]) / beta; RLOO keeps
 the policy-gradient part linear in the reward, so the difference isolates the KL term exactly.
@@ -213,8 +213,8 @@ def test_the_sequence_ratio_makes_the_policy_gradient_exactly_unbiased_off_polic
 def test_sequence_and_prefix_ratios_give_every_configuration_its_on_policy_gradient_off_policy(
         case, estimator, placement):
     """Exactly, for any length: the policy gradient weighted by pi(y)/mu(y) and each KL-loss token by
-    its prefix ratio (KL_THEORY.md, "Exactly unbiased off-policy"); so k1-reward, k1-reward+loss,
-    k3-reward+loss and full-reward+loss are exactly unbiased off-policy."""
+    its prefix ratio (docs/concepts/theory.md, "What is exactly unbiased off-policy"); so k1-reward,
+    k1-reward+loss, k3-reward+loss and full-reward+loss are exactly unbiased off-policy."""
     inst, group_size, targets = case
     off = sequence_kl_part(inst, estimator, placement, group_size)
     on = kl_part(inst, estimator, placement, group_size)
@@ -272,7 +272,8 @@ def test_sequence_ratios_are_exactly_one_on_policy(placement):
 
 
 def test_audit_verdicts_agree_with_kl_theory_and_rank_the_unbiased_by_their_exact_variance():
-    # KL_THEORY.md's table (the per-token KL rewards and k3+: tests/test_peers_kl.py)
+    # docs/concepts/theory.md, "What each configuration differentiates" (the per-token KL
+    # rewards and k3+: tests/test_peers_kl.py)
     result = gradient_audit(vocab=3, length=2, group_size=2, seeds=(0, 1), progress=False,
                             only_estimators=("k1", "k2", "k3", "full"),
                             only_placements=("reward", "loss", "reward+loss"))

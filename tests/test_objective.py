@@ -311,7 +311,8 @@ def test_tis_makes_an_inexact_engine_exactly_unbiased_for_one_token_responses():
     """Exact enumeration: samples from an engine mu != pi that the trainer takes for on-policy.
     Uncorrected, the policy gradient is E_mu[A grad log pi], biased; untruncated TIS gives exactly
     E_pi[A grad log pi] (RLOO's baseline stays independent of each sample). Longer responses get
-    token ratios, which are only a first-order correction (KL_THEORY.md): biased there."""
+    token ratios, which are only a first-order correction (docs/concepts/theory.md, "Engine weights:
+    TIS and IcePop"): biased there."""
     from trainer.audits.audit import AuditInstance, expected_gradient, rel_error
 
     base = ObjectiveConfig(placement="none", advantage="rloo")

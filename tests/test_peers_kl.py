@@ -37,9 +37,10 @@ def test_k1_to_go_is_unbiased_with_less_kl_variance_than_k1_summed_and_the_audit
     assert rows["off-policy", "k1", "reward-to-go", "none", "sequence"].verdict == "unbiased"  # sequence weights
 
 
-def test_kl_theorys_single_sample_numbers_for_k1_to_go():
-    """KL_THEORY.md: V=3, T=3, one sample, no baseline (reinforce, groups of 1): k1 to go is unbiased with a
-    KL part of 0.5-0.9 of k1 summed's variance."""
+def test_single_sample_numbers_for_k1_to_go():
+    """docs/peers.md, "Per-token KL rewards (placements reward-to-go, reward-to-go+loss, reward-token)": V=3,
+    T=3, one sample, no baseline (reinforce, groups of 1): k1 to go is unbiased with a KL part of 0.5-0.8 of
+    k1 summed's variance."""
     result = gradient_audit(vocab=3, length=3, group_size=1, seeds=(0, 1, 2), advantage="reinforce", progress=False,
                             only_estimators=("k1",), only_placements=("reward", "reward-to-go"))
     on = {r.placement: r for r in result.rows if r.sampling == "on-policy"}

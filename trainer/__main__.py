@@ -128,7 +128,7 @@ def _run_audit(args: argparse.Namespace) -> int:
                       for r in additions if r.agrees is False]
     if disagreements:
         names = "; ".join(disagreements)
-        log.error("the objective disagrees with KL_THEORY.md: %s", names)
+        log.error("the objective disagrees with its theory (docs/concepts/theory.md): %s", names)
         return 1
     return 0
 

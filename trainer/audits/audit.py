@@ -26,8 +26,9 @@ from trainer.progress import progress_bar
 
 
 def theory_on_policy(estimator: str, placement: str, ratio: str) -> str:
-    """KL_THEORY.md's statement (docs/full_kl.md's for full), on-policy, for responses longer than one
-    token, as the estimator registers it; '' where it states nothing."""
+    """The theory's statement (docs/concepts/theory.md, "What each configuration differentiates";
+    docs/full_kl.md derives full's), on-policy, for responses longer than one token, as the estimator
+    registers it; '' where it states nothing."""
     return estimators.REGISTRY[estimator].theory.get((placement, ratio), "")
 
 
@@ -205,7 +206,7 @@ class GradientRow:
 
     @property
     def agrees(self) -> bool | None:
-        """Whether the verdict contains KL_THEORY.md's (None where the theory table says nothing)."""
+        """Whether the verdict contains the theory's (None where the theory table says nothing)."""
         if not self.theory:
             return None
         return self.theory in self.verdict.split(" = ")
@@ -245,8 +246,9 @@ def audit_configs(only_estimators: tuple[str, ...] | None = None, only_placement
 
 
 def theory_of(sampling: str, estimator: str, placement: str, ratio: str, pg_ratio: str, length: int) -> str:
-    """KL_THEORY.md's verdict for a row ('' where it says nothing): the on-policy table, which the
-    sequence-level weights make hold off-policy too (KL_THEORY.md, "Exactly unbiased off-policy")."""
+    """The theory's verdict for a row ('' where it says nothing): the on-policy table, which the
+    sequence-level weights make hold off-policy too (docs/concepts/theory.md, "What is exactly
+    unbiased off-policy")."""
     if length < 2:
         return ""
     if sampling == "on-policy":
@@ -374,7 +376,7 @@ def gradient_table_markdown(audit: GradientAudit) -> str:
         "",
         "| sampling | estimator | placement | KL-loss ratio | PG ratio | abs g / abs grad KL | cos KL | err KL "
         "| cos prefix-rev | err prefix-rev | cos prefix-fwd | err prefix-fwd | err vs on-policy | var grad | var g "
-        "| verdict | KL_THEORY.md |",
+        "| verdict | theory |",
         "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in audit.rows:

@@ -8,9 +8,9 @@ completions per prompt are drawn from the policy, and each prompt gets
 - its mean reward, and
 - KL(pi || pi_ref) of whole completions, Rao-Blackwellized: for each sampled completion, the sum
   over its positions of the full-vocabulary KL between the two next-token distributions. By the
-  chain rule (KL_THEORY.md) its mean over samples of pi is an unbiased estimate of the sequence KL,
-  with less variance than the sampled k1 sum; the same stopping rule (EOS, stop strings,
-  max_new_tokens) ends sequences under both policies, which the chain rule needs.
+  chain rule (docs/concepts/theory.md, "The reverse KL") its mean over samples of pi is an
+  unbiased estimate of the sequence KL, with less variance than the sampled k1 sum; the same stopping
+  rule (EOS, stop strings, max_new_tokens) ends sequences under both policies, which the chain rule needs.
 
 pi is the policy at the rollout temperature without top-p, the distribution the objective's
 log-probs use. Every measurement uses the same prompts and seeds, so runs are compared on the

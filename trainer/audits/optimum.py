@@ -2,8 +2,9 @@
 
 For one prompt x, J(pi) = E_pi[R] - beta KL(pi || pi_ref). Its maximiser is
 pi* = pi_ref exp(R / beta) / Z with Z = E_{pi_ref}[exp(R / beta)], its value is
-J* = beta log Z, and for every policy J* - J(pi) = beta KL(pi || pi*) >= 0 (KL_THEORY.md). So the
-objective gap J* - J(pi) measures how far a trained policy is from the optimum, in reward units.
+J* = beta log Z, and for every policy J* - J(pi) = beta KL(pi || pi*) >= 0 (docs/concepts/theory.md, "The
+optimum"; docs/concepts/optimum.md). So the objective gap J* - J(pi) measures how far a
+trained policy is from the optimum, in reward units.
 
 Everything here depends on pi_ref only through the distribution of the reward under pi_ref, given
 per prompt as a histogram (reward values and their counts among the reference's samples). For a

@@ -1,8 +1,9 @@
 """Advantage estimators over groups of responses to the same prompt: one registration each.
 
 `rewards` has shape [B] with B = prompts x group_size, each group in consecutive rows. Every
-estimator returns a [B] tensor. RLOO is the one under which the KL identities of KL_THEORY.md
-hold exactly: its baseline is independent of the sample it is subtracted from.
+estimator returns a [B] tensor. RLOO is the one under which the KL identities hold exactly
+(docs/concepts/theory.md, "When the identities are exact"): its baseline is independent of the
+sample it is subtracted from.
 
 A whitening estimator (`whiten`) computes its [B] values as its base does (`compute`: no baseline, or
 the group mean), and the KL joins them as the placement says; then the combined per-token return is

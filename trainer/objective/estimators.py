@@ -1,6 +1,6 @@
 """The KL estimators: one registration each, with its formula, its inputs and its theory.
 
-With the token log-ratio l = log pi_theta - log pi_ref of a sampled token (KL_THEORY.md):
+With the token log-ratio l = log pi_theta - log pi_ref of a sampled token (docs/concepts/theory.md, "Estimators"):
 
     k1 = l              unbiased, high variance, can be negative
     k2 = l**2 / 2       biased, second-order match to the KL
@@ -15,8 +15,9 @@ With the token log-ratio l = log pi_theta - log pi_ref of a sampled token (KL_TH
 A sampled-token estimator's formula maps l (and k3's exponent bound, see trainer.objective.kl) to the
 per-token estimate using tensor methods only, so this module needs no torch.
 
-`theory` is KL_THEORY.md's on-policy statement for responses longer than one token, keyed by
-(placement, kl_loss_ratio): the verdict `trainer.audits.audit` must reach. docs/full_kl.md derives full's.
+`theory` is the on-policy statement for responses longer than one token (docs/concepts/theory.md, "What
+each configuration differentiates"), keyed by (placement, kl_loss_ratio): the verdict
+`trainer.audits.audit` must reach. docs/full_kl.md derives full's.
 """
 
 from __future__ import annotations

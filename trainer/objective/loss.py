@@ -1,8 +1,8 @@
 """The RL loss: policy gradient plus a KL term, for every estimator x placement x weighting.
 
-KL_THEORY.md states what each configuration's expected gradient is; `trainer.audits.audit` checks these
-statements by exact enumeration through `compute_loss` itself, so the trainer and the proof share
-one implementation.
+docs/concepts/theory.md, "What each configuration differentiates", states what each configuration's
+expected gradient is; `trainer.audits.audit` checks these statements by exact enumeration through
+`compute_loss` itself, so the trainer and the proof share one implementation.
 
 Two phases: `batch_advantages` shapes the rewards and computes the advantages once per minibatch,
 over all its rows; `policy_loss` then computes the loss of any part of it (a micro-batch on one

@@ -23,7 +23,7 @@ class LossAgg:
     name: str
     reduce: Callable[..., Tensor]  # (masked [B, T], mask [B, T], rows, tokens, norm_length) -> scalar
     needs_norm_length: bool = False  # reads objective.norm_length
-    sums_tokens: bool = False  # its gradient is the token sums' itself, under which KL_THEORY.md is exact (else,
+    sums_tokens: bool = False  # its gradient is the token sums' itself, under which the theory is exact (else,
                                # with responses of one length, a constant times it: the audit's verdict "scaled")
 
     @property
@@ -39,8 +39,8 @@ register = REGISTRY.decorator(LossAgg)  # @register(name, **options) over the fu
 
 @register("seq-mean-token-sum", sums_tokens=True)
 def seq_mean_token_sum(masked: Tensor, mask: Tensor, rows: Any, tokens: Any, norm_length: int | None) -> Tensor:
-    """The mean over responses of their token sums: the aggregation under which KL_THEORY.md's
-    identities are exact."""
+    """The mean over responses of their token sums: the aggregation under which the KL identities
+    (docs/concepts/theory.md, "When the identities are exact") are exact."""
     return masked.sum(dim=-1).sum() / rows
 
 

@@ -65,8 +65,8 @@ class ObjectiveConfig:
     grpo_scale      grpo only: divide by the group std (False gives Dr. GRPO's centring)
     loss_agg        how per-token losses become one number: seq-mean-token-sum | seq-mean-token-mean |
                     token-mean | seq-mean-token-sum-norm (trainer.objective.loss_aggs, each one's docstring
-                    says what it computes; seq-mean-token-sum is the one under which KL_THEORY.md's
-                    identities are exact)
+                    says what it computes; seq-mean-token-sum is the one under which the KL identities
+                    are exact: docs/concepts/theory.md, "When the identities are exact")
     norm_length     the constant of seq-mean-token-sum-norm (e.g. the maximum response length)
     kl_loss_agg     how the KL-loss term's per-token values become one number, where it differs from the
                     policy gradient's: one of loss_agg's choices; None = loss_agg. SkyRL averages its KL

@@ -1,4 +1,5 @@
-"""Where beta x the KL estimate goes: one registration per placement (see KL_THEORY.md).
+"""Where beta x the KL estimate goes: one registration per placement
+(docs/concepts/theory.md, "Placements").
 
 In the reward, the estimate is subtracted from each response's reward (detached), so it reaches
 the gradient through the advantages, as a score-function term; in the loss, its own gradient is
