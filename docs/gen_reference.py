@@ -1,6 +1,7 @@
 """The site's reference pages, written at every build from the code they describe, so they cannot drift.
 
-An MkDocs hook (mkdocs.yml, `hooks:`): `on_files` adds each page of PAGES as a generated file. The run
+An MkDocs hook (mkdocs.yml, `hooks:`): `on_files` adds each page of PAGES as a generated file, in place of
+the stub of the same path in docs/ (which, read on a code host, points to the page's source). The run
 config comes from trainer/config.py's dataclasses (type, default, the comment or docstring line that
 says what a key does), the study config from workflow/config/schema.yaml, the CLIs from their own
 argparse parsers, the shipped studies from their configs and the benchmarks from their scripts.
@@ -261,9 +262,13 @@ PAGES = {"reference/run-config.md": run_config_page, "reference/study-config.md"
 
 
 def on_files(files, config):
-    """MkDocs hook: each page of PAGES, generated."""
+    """MkDocs hook: each page of PAGES, generated, in place of its file in docs/ (a stub that, read on a code
+    host, points to the source, so that links to the page resolve there too)."""
     from mkdocs.structure.files import File
 
     for path, build in PAGES.items():
+        stub = files.get_file_from_path(path)
+        if stub is not None:
+            files.remove(stub)
         files.append(File.generated(config, path, content=build()))
     return files
