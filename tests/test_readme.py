@@ -274,7 +274,7 @@ def test_the_pages_have_commands_of_every_kind():
     assert any(text.startswith("python -m trainer audit [--out DIR]") for text in texts)  # a usage block
     assert any(text.startswith("python -m trainer train --out results/runs/demo model.path=") for text in texts)  # \\
     assert any("mlflow server --app-name basic-auth" in text for text in texts)  # after a here-document
-    assert ("pip install -e \".[test]\"", "inline") in [(text, kind) for _, _, text, _, kind in COMMANDS]
+    assert ("pip install -e \".[test,gguf]\"", "inline") in [(text, kind) for _, _, text, _, kind in COMMANDS]
 
 
 @pytest.mark.parametrize("page, line, text, words, kind", COMMANDS, ids=[f"{c[0]}:{c[1]}" for c in COMMANDS])
