@@ -88,7 +88,8 @@ def test_the_patterns_catch_what_they_are_for():
     for name in markdown_files()])
 def test_no_page_outside_the_changelog_tells_history(page):
     found = history((REPO / page).read_text(encoding="utf-8"))
-    assert not found, f"{page} refers to an issue or to the work's history (the changelog's place):\n" + "\n".join(found)
+    assert not found, (f"{page} refers to an issue or to the work's history (the changelog's place):\n"
+                       + "\n".join(found))
 
 
 def test_the_changelog_keeps_the_history_in_short():
