@@ -34,7 +34,7 @@ from sweep import fetch, hub_needs, job_env, jobs, rerun, study_lock
 from sweep.grid import StudyError
 from sweep.plan import plan
 from sweep.study_check import check_study, preflight
-from trainer.launch import train_command
+from trainer.launch import job_command
 from trainer.objective import plugins
 
 min_version("9.0")
