@@ -33,8 +33,8 @@ from snakemake.utils import min_version
 from sweep import fetch, hub_needs, job_env, jobs, rerun, study_lock
 from sweep.grid import StudyError
 from sweep.plan import plan
-from sweep.study_check import check_study, preflight
-from trainer.launch import train_command
+from sweep.study_check import check_nodes, check_study, preflight
+from trainer.launch import job_command
 from trainer.objective import plugins
 
 min_version("9.0")
@@ -99,7 +99,16 @@ def fetch_then_go_offline():
     job_env.make_offline(os.environ)
 
 
+def check_where_jobs_run():
+    """What only the executor decides: training on several nodes needs jobs in SLURM allocations."""
+    try:
+        check_nodes(STUDY, config, workflow.executor_plugin.common_settings.local_exec)
+    except StudyError as error:
+        raise WorkflowError(f"study config: {error}") from None
+
+
 onstart:
+    check_where_jobs_run()
     fetch_then_go_offline()
     study_lock.claim(sys.argv)
     open_live_tracking()  # workflow/rules/train.smk

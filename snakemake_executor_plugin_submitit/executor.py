@@ -15,7 +15,7 @@ from snakemake_interface_executor_plugins.jobs import JobExecutorInterface
 
 from snakemake_executor_plugin_submitit import adopt
 from snakemake_executor_plugin_submitit.command import JobCommand
-from snakemake_executor_plugin_submitit.resources import signature, slurm_parameters
+from snakemake_executor_plugin_submitit.resources import command_step, signature, slurm_parameters
 
 # SLURM states (sacct) of a job that is over, and whether it succeeded.
 SUCCESS = {"COMPLETED"}
@@ -89,9 +89,12 @@ class Executor(RemoteExecutor):
 
     def _submit(self, jobs: List[JobExecutorInterface], params: dict) -> None:
         """Submit jobs that share `params`: one job, or one job array."""
+        # submitit keeps the parameters of earlier updates: the last group's nodes or GPUs must not stay
+        self.submitit.parameters.clear()
         self.submitit.update_parameters(
             job_name=f"smk-{jobs[0].name}", signal_delay_s=self.settings.signal_delay,
-            array_parallelism=self.settings.array_parallelism, additional_parameters=dict(self.extra), **params)
+            array_parallelism=self.settings.array_parallelism, additional_parameters=dict(self.extra), **params,
+            **command_step(params))
         grace = max(10.0, self.settings.signal_delay - 20.0)
         commands = [JobCommand(self.format_job_exec(job), grace) for job in jobs]
         try:

@@ -33,6 +33,15 @@ def slurm_parameters(resources: Mapping[str, Any], threads: int, defaults: Mappi
     return params
 
 
+def command_step(params: Mapping[str, Any]) -> dict[str, Any]:
+    """submitit's own step in the job script (its `srun`), for a job of these sbatch parameters: one task,
+    whatever the job's nodes and tasks, so that Snakemake's job command runs once per job and not once
+    per task. A job of several tasks starts them itself, as a training job of several nodes does
+    (trainer.srun); submitit's default would run the whole command, Snakemake and all, in every task."""
+    tasks = int(params.get("nodes") or 1) * int(params.get("ntasks_per_node") or 1)
+    return {"srun_args": ["--nodes=1", "--ntasks=1"]} if tasks > 1 else {}
+
+
 def signature(params: Mapping[str, Any]) -> tuple:
     """Jobs with equal signatures can share one job array."""
     return tuple(sorted((key, str(value)) for key, value in params.items()))

@@ -11,8 +11,10 @@ warnings and notes come back as lines to print.
   read must be in the Hugging Face cache, or be fetched by this run before its first job
   (sweep.fetch); where this node is offline too (HF_HUB_OFFLINE), a missing one is an error that
   names it and the fetch command.
-- Training runs on one node (a job's processes share one process group on one machine): nodes > 1
-  would hold the other nodes idle, so it is an error.
+- Training on several nodes starts its processes with srun in the job's SLURM allocation
+  (trainer.srun): where the jobs run on this machine (Snakemake's local executor), nodes > 1 for
+  training cannot work, and is an error before any job starts (`check_nodes`, from the Snakefile's
+  onstart, where the executor is known), never a silent run on one node.
 - A run directory already there holds a run of its grid point's config (else the study says which
   keys changed, and how to retrain it).
 - A job's device and its GPUs agree: cuda with no GPU fails on a cluster (an error: asking for
@@ -39,9 +41,7 @@ WARNING, NOTE = "warning: study config: ", "note: study config: "
 
 def check_study(config: dict[str, Any], schema_file: Path | None = None) -> Study:
     """The validated study; StudyError names the first bad key."""
-    study = load_study(config, schema_file)
-    _check_one_node(study, config)
-    return study
+    return load_study(config, schema_file)
 
 
 def preflight(study: Study, rerun: set[str] = frozenset(), configfiles=None) -> list[str]:
@@ -54,16 +54,21 @@ def preflight(study: Study, rerun: set[str] = frozenset(), configfiles=None) -> 
     return [*_hub_notes(study, configfiles), *_device_warnings(study)]
 
 
-def _check_one_node(study: Study, config: dict[str, Any]) -> None:
-    """nodes > 1 for training: SLURM would hold the nodes, and the job would train on the first alone."""
+def check_nodes(study: Study, config: dict[str, Any], jobs_run_here: bool) -> None:
+    """nodes > 1 for training where the jobs run on this machine (`jobs_run_here`: Snakemake's local
+    executor): the job's processes start with srun in a SLURM allocation, which such a job lacks."""
+    if not jobs_run_here:
+        return
     trains = "nodes" in ((config.get("resources") or {}).get("train") or {})
     for name, model in study.models.items():
         nodes = study.resources_for("train", name).get("nodes", 1)
         if nodes > 1:
             key = (f"models.{name}.resources.train" if "nodes" in model.resources.get("train", {})
                    else "resources.train" if trains else "resources.default") + ".nodes"
-            raise StudyError(f"{key}: {nodes}, but training runs on one node (the other nodes would sit idle): "
-                             f"set {key}: 1, and gpus for more GPUs on that node")
+            raise StudyError(f"{key}: {nodes}, but the jobs run on this machine (Snakemake's local executor), and "
+                             "training on several nodes starts its processes with srun in a SLURM job: run with "
+                             f"--profile profiles/slurm, or set {key}: 1 (and gpus, or tasks on cpu, for more "
+                             "processes on this machine)")
 
 
 def _check_run_directories(study: Study, rerun: set[str]) -> None:

@@ -1,7 +1,8 @@
 """Fetch on the submitting node, run offline on compute nodes (docs/guides/slurm.md, "Offline compute
 nodes"): Snakemake fetches a study's hub models and data sets before any job, every job runs with the
 hub out of reach and without the token, what an offline node lacks is one error before any job, and
-nodes > 1 for training is a config error. Real Snakemake (profiles/local) against the test hub."""
+nodes > 1 for training where the jobs run on this machine is a config error. Real Snakemake
+(profiles/local) against the test hub."""
 
 from __future__ import annotations
 
@@ -61,16 +62,23 @@ GATED_STUDY = {"models": {"llama": {"path": "meta-llama/Llama-3.1-8B-Instruct"}}
                "resources": {"default": {"cpus": 1, "mem_mb": 4000, "runtime": 20}}}
 
 
-def test_nodes_above_one_for_training_is_a_config_error(tmp_path):
+def test_nodes_above_one_for_training_where_jobs_run_on_this_machine_is_a_config_error(tmp_path):
+    """Training on several nodes starts its processes with srun in a SLURM job (trainer.srun): a dry run plans
+    it, and a run whose jobs would run on this machine (the local profile) stops with one error before any job."""
+    env = with_repo(dict(os.environ))
     for rule, nodes in (("train", 2), ("default", 3)):
-        config = study(tmp_path, resources={rule: {"nodes": nodes}})
-        done = snakemake(tmp_path, config, with_repo(dict(os.environ)), "-n")
+        config = study(tmp_path / rule, resources={rule: {"nodes": nodes}})
+        planned = snakemake(tmp_path / rule, config, env, "-n")
+        assert planned.returncode == 0 and f"--nodes={nodes}" in planned.stdout, planned.stdout[-2000:]
+        done = snakemake(tmp_path / rule, config, env)
         assert done.returncode != 0
-        assert (f"study config: resources.{rule}.nodes: {nodes}, but training runs on one node (the other nodes would "
-                f"sit idle): set resources.{rule}.nodes: 1") in done.stdout, done.stdout[-2000:]
+        assert (f"study config: resources.{rule}.nodes: {nodes}, but the jobs run on this machine (Snakemake's local "
+                "executor), and training on several nodes starts its processes with srun in a SLURM job: run with "
+                f"--profile profiles/slurm, or set resources.{rule}.nodes: 1") in done.stdout, done.stdout[-2000:]
+        assert not (tmp_path / rule / "results" / "models").exists()  # no job ran
     models = {"toy-sft": {**TOY["models"]["toy-sft"], "resources": {"train": {"nodes": 2}}}}
-    done = snakemake(tmp_path, study(tmp_path, models=models), with_repo(dict(os.environ)), "-n")
-    assert "study config: models.toy-sft.resources.train.nodes: 2, but training runs on one node" in done.stdout
+    done = snakemake(tmp_path / "model", study(tmp_path / "model", models=models), env)
+    assert "study config: models.toy-sft.resources.train.nodes: 2, but the jobs run on this machine" in done.stdout
 
 
 def test_offline_node_names_what_is_not_fetched_then_the_fetch_command_fixes_it(hub, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -268,3 +269,117 @@ def test_a_failing_job_names_its_log(slurm, tmp_path):
     log = Path(match.group(2))
     assert log.is_file() and "exited with status" in log.read_text()
     assert "could not load the tokenizer" in (tmp_path / "results" / "logs" / "prepare" / "missing.log").read_text()
+
+
+@pytest.mark.slow
+def test_two_slurm_tasks_train_as_one_process_does(slurm, tmp_path):
+    """resources.train {tasks: 2}: the training job's command (Snakemake's) runs once, and starts the two
+    training processes as one srun step (trainer.srun: gloo, FSDP2), the code path of a job of two nodes,
+    whose srun spans both. Their losses and final weights are one process's on the same batches."""
+    from rounding import assert_same_statistic, statistic_rounding
+    from safetensors.torch import load_file
+
+    from trainer.model.models import load_model
+
+    config = json.loads(json.dumps(SMALL))
+    config["grid"]["baseline"] = False
+    lr, steps = 1e-3, 2
+    config["run"]["train"].update(steps=steps, lr=lr)
+    config["resources"]["train"] = {"tasks": 2, "cpus": 1}
+    name = SMALL_RUNS[0]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    done = subprocess.run([*SNAKEMAKE, *SLURM, f"results/.jobs/train/{name}.done", "--directory", str(tmp_path),
+                           "--configfile", str(write_config(tmp_path, config))],
+                          capture_output=True, text=True, timeout=900, env=env)
+    study_s = time.monotonic() - start
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = tmp_path / "results" / "runs" / name
+    log = (tmp_path / "results" / "logs" / "train" / f"{name}.log").read_text()
+    # one command, two processes: each joined the group once
+    assert log.count("process 0 of 2") == 1 and log.count("process 1 of 2") == 1, log[-3000:]
+    # the job asked SLURM for two tasks; submitit's own step ran one; the trainers were a step of two tasks
+    scripts = {p.name.split("_")[0]: p.read_text()
+               for p in (tmp_path / ".snakemake" / "submitit").glob("*/*_submission.sh")}
+    train_job, script = next((job, text) for job, text in scripts.items() if "--ntasks-per-node=2" in text)
+    assert "srun --unbuffered" in script and "--nodes=1 --ntasks=1" in script, script
+    steps_of_job = subprocess.run(["sacct", "-n", "-P", "-o", "JobID,NTasks,State", "-j", train_job],
+                                  capture_output=True, text=True).stdout.split()
+    assert any(line.split("|")[1:] == ["2", "COMPLETED"] and ".batch" not in line for line in steps_of_job), \
+        steps_of_job
+
+    # one process on the same batches: the same config file, by hand, in the study's directory
+    config_file = tmp_path / "results" / "configs" / f"{name}.yaml"
+    one = tmp_path / "one"
+    alone = subprocess.run([sys.executable, "-m", "trainer", "train", "--config", str(config_file), "--out", str(one)],
+                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    run_config = yaml.safe_load(config_file.read_text())
+    floor = statistic_rounding(load_model(str(tmp_path / run_config["model"]["path"])), {
+        "train.prompts_per_step": run_config["train"]["prompts_per_step"],
+        "train.group_size": run_config["train"]["group_size"],
+        "rollout.max_new_tokens": run_config["rollout"]["max_new_tokens"]})
+    a, b = comparable(one), comparable(run)
+    assert [m["step"] for m in b] == list(range(steps))
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert_same_statistic(f"step {x['step']}: {key}", x[key], y[key], 1e-4, floor)
+    weights = [load_file(r / "final" / "model.safetensors") for r in (one, run)]
+    gaps = {key: float((weights[0][key] - weights[1][key]).abs().max()) for key in weights[0]}
+    # (the two processes also write lm_head.weight, which the one process leaves to its tie)
+    assert weights[0].keys() <= weights[1].keys() and max(gaps.values()) <= 0.01 * steps * lr, gaps
+    loss_gap = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True))
+    print(f"\ntwo SLURM tasks vs one process: loss differs by at most {loss_gap:.3g} (noise floor {floor:.3g}), "
+          f"weights by at most {max(gaps.values()):.3g} (bound {0.01 * steps * lr:.3g}); study {study_s:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_two_task_training_step_stops_at_a_checkpoint_on_sigterm_and_resumes(slurm, warm_model, tmp_path):
+    """What the executor does before a time limit: SIGTERM to the job command's process group, here the
+    launcher's (srun itself would kill its tasks on SIGTERM: it runs apart and gets SIGUSR1, which each task
+    turns into SIGTERM to its trainer). Both trainers checkpoint and stop; the same command resumes."""
+    from run_helpers import TOY_RUN, overrides
+
+    from trainer.launch import job_command
+
+    out = tmp_path / "run"
+    steps = 40
+    command = shlex.join([*job_command(sys.executable, tasks=2), "train", "--out", str(out),
+                          *overrides(warm_model, TOY_RUN, **{"train.steps": steps, "checkpoint.every": 100})])
+    pid_file = tmp_path / "launcher.pid"
+
+    def submit(log: Path) -> str:
+        script = f"echo $$ > {pid_file}; exec {command} > {log} 2>&1"
+        return subprocess.run(["sbatch", "--parsable", "--ntasks=2", "--cpus-per-task=1", "--mem=3000M",
+                               "--output", str(tmp_path / "sbatch.out"), "--wrap", script],
+                              capture_output=True, text=True, check=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.strip()
+
+    def wait_for(job: str) -> str:
+        deadline = time.monotonic() + 300
+        while any(line.split()[0] == job for line in squeue()):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        return subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State,ExitCode", "-j", job], capture_output=True,
+                              text=True).stdout.strip()
+
+    first = submit(tmp_path / "first.log")
+    deadline = time.monotonic() + 300
+    while len(read_metrics(out / "metrics.jsonl")) < 3:
+        assert time.monotonic() < deadline and any(line.split()[0] == first for line in squeue()), \
+            (tmp_path / "first.log").read_text()[-3000:] if (tmp_path / "first.log").exists() else "no log"
+        time.sleep(0.2)
+    launcher = int(pid_file.read_text())
+    os.killpg(os.getpgid(launcher), signal.SIGTERM)
+    state = wait_for(first)
+    log = (tmp_path / "first.log").read_text()
+    assert state.startswith("FAILED|75"), (state, log[-3000:])
+    assert log.count("checkpoint written, exiting with 75") == 2, log[-3000:]  # both processes stopped cleanly
+    saved = [p.name for p in (out / "checkpoints").iterdir()]
+    assert len(saved) == 1 and not (out / "COMPLETE").exists(), saved
+    state = wait_for(submit(tmp_path / "second.log"))
+    log = (tmp_path / "second.log").read_text()
+    assert state.startswith("COMPLETED"), (state, log[-3000:])
+    assert log.count(f"resumed from checkpoint {saved[0]}") == 2, log[-3000:]
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(steps))  # none lost or repeated

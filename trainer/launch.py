@@ -1,4 +1,5 @@
-"""The command that starts a training run: one process, or one per GPU under `accelerate launch`.
+"""The command that starts a training run: one process, one per GPU under `accelerate launch`, or, for
+a job of several nodes (or several CPU tasks), one per SLURM task under `srun` (trainer.srun).
 
 Free of torch, so that the Snakefile can build every job's command without importing it.
 """
@@ -22,3 +23,21 @@ def train_command(python: str, processes: int) -> list[str]:
             python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
             "-m", "trainer"]
+
+
+def processes_per_node(gpus: int = 0, tasks: int = 1) -> int:
+    """One training process per GPU of a node; on CPU, one per SLURM task of the node."""
+    return int(gpus) if gpus else max(1, int(tasks))
+
+
+def job_command(python: str, nodes: int = 1, gpus: int = 0, tasks: int = 1, cpus: int = 1) -> list[str]:
+    """The command of a training job with these resources (`gpus`, `tasks` and `cpus` as SLURM gives them:
+    GPUs per node, tasks per node, CPUs per task). One node with its GPUs: `train_command`, as ever.
+    Several nodes, or several CPU tasks: `python -m trainer.srun launch`, which starts one process per
+    GPU (or task) of every node as one SLURM job step; each gets an even share of its node's CPUs."""
+    nodes, tasks, cpus = int(nodes), max(1, int(tasks)), max(1, int(cpus))
+    per_node = processes_per_node(gpus, tasks)
+    if nodes == 1 and (gpus or tasks == 1):
+        return train_command(python, per_node)
+    return [python, "-m", "trainer.srun", "launch", "--nodes", str(nodes), "--tasks-per-node", str(per_node),
+            "--cpus-per-task", str(max(1, tasks * cpus // per_node))]

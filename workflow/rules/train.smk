@@ -5,8 +5,9 @@
 # nothing reopens it; an interrupted one resumes from its newest valid checkpoint; a failed one records why (FAILED) without stopping the
 # others of its job. Snakemake sees a run through its `.done` file (sweep.jobs), which the job writes when
 # it succeeds: Snakemake never deletes or touches a run's own files. With live tracking (below), a follower streams the
-# job's runs' metrics to the tracking server while they train. A job with several GPUs runs the trainer
-# under `accelerate launch`, one process per GPU (trainer.launch).
+# job's runs' metrics to the tracking server while they train. A job with several GPUs on one node runs the
+# trainer under `accelerate launch`, one process per GPU; a job of several nodes (or CPU tasks) starts one
+# process per GPU (or task) of every node as one SLURM job step (trainer.launch, trainer.srun).
 
 
 import os
@@ -21,9 +22,11 @@ if RUNS_JOBS:  # the pending runs' configs, each in the file its job reads (swee
 
 
 def train_launcher(model):
-    """The command that starts the trainer for `model`'s runs: one process, or one per GPU of the job."""
-    gpus = STUDY.resources_for("train", model).get("gpus") or 0
-    return shlex.join(train_command(PY, int(gpus)))
+    """The command that starts the trainer for `model`'s runs: one process, one per GPU of the job's node
+    (accelerate launch), or, for several nodes or CPU tasks, one per GPU or task of every node (srun)."""
+    resources = STUDY.resources_for("train", model)
+    return shlex.join(job_command(PY, nodes=resources.get("nodes") or 1, gpus=resources.get("gpus") or 0,
+                                  tasks=resources.get("tasks") or 1, cpus=resources.get("cpus") or 1))
 
 
 # Live tracking: the study config's tracking.uri, else MLFLOW_TRACKING_URI. Each training job then starts
