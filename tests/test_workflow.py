@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,30 @@ def snakemake(directory: Path, config: Path, *args: str, timeout: float = 600) -
                           capture_output=True, text=True, timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"})
 
 
+# The outputs of a study's prepare jobs (build_model, prepare_data, audit) for REDUCED and its variants.
+PREPARED = ["results/models/toy-sft.ready", "results/data/heldout.jsonl", "results/audit/gradient_audit.csv"]
+
+
+def prepare(directory: Path, config: dict, profile: list[str] = LOCAL) -> Path:
+    """`directory` with the study's prepare jobs run through Snakemake, and nothing else: the toy model built
+    and warmed up, the held-out data, the gradient audit (about half of a reduced study's time)."""
+    done = subprocess.run([*SNAKEMAKE, *PREPARED, *profile, "--directory", str(directory), "--configfile",
+                           str(write_config(directory, config))], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return directory
+
+
+def from_prepared(directory: Path, prepared: Path) -> None:
+    """`directory`, whose study.yaml has `prepared`'s models and data, as it stands after its prepare jobs:
+    `prepared`'s outputs and logs, with their mtimes, and Snakemake's records of them (so that nothing in them
+    is out of date). The reduced studies share one prepare stage this way (conftest.prepared_toy_study); each
+    still runs every other job of its own."""
+    mine, theirs = (yaml.safe_load((d / "study.yaml").read_text()) for d in (directory, prepared))
+    assert {k: mine[k] for k in ("models", "data")} == {k: theirs[k] for k in ("models", "data")}
+    shutil.copytree(prepared / "results", directory / "results", ignore=shutil.ignore_patterns("configs"))
+    shutil.copytree(prepared / ".snakemake" / "metadata", directory / ".snakemake" / "metadata")
+
+
 def jobs_run(log: str, rule: str) -> list[str]:
     """The `run` wildcard of every job of `rule` that a Snakemake log shows starting."""
     return [run for run, _ in _jobs(log, rule)]
@@ -94,6 +119,11 @@ def snakemake_jobs(counts: dict[str, int]) -> dict[str, int]:
         if stage not in ("all", "total"):
             jobs[stage] = jobs.get(stage, 0) + count
     return jobs
+
+
+def tree(directory: Path) -> dict[str, tuple[int, int]]:
+    """Every file and directory under `directory`: its size and mtime."""
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*")}
 
 
 # (the grid without Snakemake: tests/test_study_grid.py)
@@ -139,11 +169,12 @@ def test_paper_dry_run_lists_the_full_grid(tmp_path, name, runs, suites, checkpo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
-def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop):
+def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop, prepared_toy_study):
     """Ctrl-C, or a hard kill of Snakemake and its jobs (the OOM killer, a closed login session),
     then the same command: only what is missing runs. After SIGKILL, Snakemake's lock is left behind
     and the same command used to fail with LockException until --unlock."""
     config = write_config(tmp_path, REDUCED)
+    from_prepared(tmp_path, prepared_toy_study)
     results = tmp_path / "results"
     log = (tmp_path / "first.log").open("w")
     process = subprocess.Popen([*SNAKEMAKE, *LOCAL, "--directory", str(tmp_path), "--configfile", str(config)],
@@ -209,7 +240,7 @@ def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop):
 
 
 @pytest.mark.slow
-def test_reduced_toy_study_in_bundles_with_an_extra_axis_and_the_measured_objective(tmp_path):
+def test_reduced_toy_study_in_bundles_with_an_extra_axis_and_the_measured_objective(tmp_path, prepared_toy_study):
     """An async-level axis doubles the grid and keeps its first half's ids; two runs per training job and
     three evaluations per evaluation job: fewer processes, the same files; every run measures its
     objective; the report has the gap, the reference, the axis in rows and columns and its figures,
@@ -219,9 +250,11 @@ def test_reduced_toy_study_in_bundles_with_an_extra_axis_and_the_measured_object
     config["bundle"] = {"train": 2, "evaluate": 3}
     config["run"]["measure"] = {"prompts": 8, "samples": 4, "reference_samples": 8, "task_options": {"seed": 1}}
     path = write_config(tmp_path, config)
+    from_prepared(tmp_path, prepared_toy_study)
     runs = REDUCED_RUNS + [name.replace("__s0", "__async1__s0") for name in REDUCED_RUNS]
+    before = tree(tmp_path / "results")
     dry = snakemake(tmp_path, path, "-n")
-    assert dry.returncode == 0 and not (tmp_path / "results").exists(), dry.stderr[-3000:]
+    assert dry.returncode == 0 and tree(tmp_path / "results") == before, dry.stderr[-3000:]  # a dry run writes nothing
     assert all(f"results/runs/{name}" in dry.stdout + dry.stderr for name in runs)  # in the train jobs' plans
     done = snakemake(tmp_path, path)
     assert done.returncode == 0, done.stderr[-5000:]
