@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from rounding import logprob_rounding
-from run_helpers import TOY_RUN, metrics, objective, overrides, start_cli, train_cli, wait_for_lines
+from run_helpers import TOY_RUN, metrics, objective, overrides, start_cli, train_cli, trainer_in_process, wait_for_lines
 from safetensors.torch import load_file
 
 from trainer import checkpoint
@@ -72,7 +72,7 @@ def test_toy_run_end_to_end(reference_run, warm_model):
     reference = json.loads((out / "objective_reference.json").read_text())
     assert len(reference["histograms"]) == 8 and all(sum(c for _, c in h) == 8 for h in reference["histograms"])
     before = (out / "metrics.jsonl").read_text()
-    again = train_cli(out, warm_model, **REFERENCE_CHECKPOINTS)
+    again = trainer_in_process("train", "--out", str(out), *overrides(warm_model, **REFERENCE_CHECKPOINTS))
     assert again.returncode == 0 and "already complete" in again.stderr
     assert (out / "metrics.jsonl").read_text() == before
 
@@ -107,7 +107,8 @@ def test_sigterm_checkpoints_and_exits_with_the_preempted_status(warm_model, tmp
     steps = len(metrics(out))
     path = out / "checkpoints" / f"step_{steps}"
     assert checkpoint.verify(path) is None  # complete and consistent with its manifest
-    result = train_cli(out, warm_model, **{"checkpoint.every": 100, "train.steps": steps + 2})
+    result = trainer_in_process("train", "--out", str(out),
+                                *overrides(warm_model, **{"checkpoint.every": 100, "train.steps": steps + 2}))
     assert result.returncode != 0 and "different config (train.steps)" in result.stderr  # runs are never mixed
 
 
