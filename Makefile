@@ -60,9 +60,9 @@ test: $(STAMP) $(OLAH_STAMP)
 
 # The unit tier for daily work, over the cores: everything but the files that train, run studies,
 # start servers, engines or clusters, and the tests marked slow (docs/testing.md has the tiers' times).
-FAST_EXCLUDED := test_workflow test_slurm test_train test_distributed test_vllm_training test_vllm_engine \
+FAST_EXCLUDED := test_workflow test_slurm test_train test_distributed test_vllm_training test_vllm_engine_start \
 	test_rollout_contract test_tracking test_eval test_doc_commands test_mlflow_ui test_model_import \
-	test_smollm2_pipeline test_smollm2_rollout test_smollm2_study test_peers_study test_peers_training \
+	test_smollm2_pipeline test_smollm2_rollout test_smollm2_study test_peers_training \
 	test_hub_server
 test-fast: $(STAMP)
 	$(BIN)/ruff check .

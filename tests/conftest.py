@@ -1,7 +1,7 @@
-"""Shared fixtures: a toy model and a warmed-up toy model, built once per test session; a pair of
-float64 models a little apart; a model whose tokens are confident, with completions it sampled;
-SmolLM2-135M-Instruct, a real model, imported once into the cache; a real hub server serving it and the
-paper's data sets on 127.0.0.1."""
+"""Shared fixtures: a toy model and a warmed-up toy model, built once per test session; the reduced toy
+studies' prepare stage, run once; a pair of float64 models a little apart; a model whose tokens are confident,
+with completions it sampled; SmolLM2-135M-Instruct, a real model, imported once into the cache; a real hub
+server serving it and the paper's data sets on 127.0.0.1."""
 
 import copy
 import os
@@ -42,6 +42,16 @@ def warm_model(toy_model, tmp_path_factory):
                  eval_problems=64)
     assert report["sampled_reward"] > 0.2, report  # RL starts with a reward clearly above zero
     return out
+
+
+@pytest.fixture(scope="session")
+def prepared_toy_study(tmp_path_factory):
+    """The prepare stage (build_model, prepare_data, audit) of the reduced toy studies of test_workflow.py and
+    test_study_heals.py, which share their models and data, run once through Snakemake: each study starts
+    from a copy of it (test_workflow.from_prepared checks that the models and data are the same)."""
+    from test_workflow import REDUCED, prepare
+
+    return prepare(tmp_path_factory.mktemp("prepared"), REDUCED)
 
 
 @pytest.fixture(scope="session")

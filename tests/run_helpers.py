@@ -1,11 +1,15 @@
 """Run the trainer from tests: a toy run's overrides, its command line (one process or several under
 accelerate launch), and what it writes."""
 
+import contextlib
+import io
 import json
+import logging
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from trainer.launch import train_command
@@ -38,6 +42,42 @@ def command(out, model, processes=1, base=TOY_RUN, **extra):
 def train_cli(out, model, processes=1, timeout=600, base=TOY_RUN, **extra):
     return subprocess.run(command(out, model, processes, base, **extra), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def trainer_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS` called in this process (trainer.__main__.main, with no interpreter start
+    and no imports to pay): its exit status, stdout and stderr as the command's would be. stderr holds
+    what it logs at INFO and above, formatted as its own logging.basicConfig formats it, anything it
+    prints there, and the traceback the interpreter would print for an exception it lets out (status 1).
+    The logging level and transformers' verbosity (main quiets it) are restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    from trainer.__main__ import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    level, verbosity, bars = root.level, hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = main(list(args))
+            except SystemExit as exit:  # argparse's usage errors
+                code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+                if not isinstance(exit.code, int) and exit.code is not None:
+                    print(exit.code, file=sys.stderr)
+            except Exception:  # noqa: BLE001 - reported as the interpreter reports it
+                traceback.print_exc()
+                code = 1
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        hf_logging.set_verbosity(verbosity)
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+    return subprocess.CompletedProcess(["python", "-m", "trainer", *args], code, stdout.getvalue(), stderr.getvalue())
 
 
 def start_cli(out, model, base=TOY_RUN, **extra):

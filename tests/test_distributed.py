@@ -12,9 +12,7 @@ from run_helpers import TOY_RUN, command, metrics, objective, overrides, train_c
 from safetensors.torch import load_file
 
 from trainer import config as run_config
-from trainer.launch import train_command
 from trainer.model.models import load_model
-from trainer.objective.loss import combine_stats
 from trainer.run import TIMING_KEYS, Run
 
 # 2 steps, larger lr and beta, token-mean: what the comparisons of one process with several need
@@ -63,27 +61,6 @@ def test_micro_batches_and_checkpointing_make_the_same_update(warm_model, tmp_pa
     assert parts.keys() == whole.keys()
     for key in parts.keys() - set(TIMING_KEYS):
         assert_same_statistic(key, whole[key], parts[key], 1e-5, noise_floor)
-
-
-def test_micro_batches_must_hold_whole_groups(warm_model, tmp_path):
-    with pytest.raises(run_config.ConfigError, match="train.micro_batch_size: 6 is not a multiple of group_size 4"):
-        run_config.load(None, _overrides(warm_model, **{"train.micro_batch_size": 6}))
-    config = run_config.load(None, _overrides(warm_model, **{"train.micro_batch_size": 12}))
-    with pytest.raises(run_config.ConfigError, match="does not divide the 16 completions"):
-        Run(config, tmp_path / "bad")
-
-
-def test_combined_statistics_add_shares_and_keep_extremes():
-    parts = [{"loss": 0.25, "ratio_min": 0.9, "ratio_max": 1.1, "kl_k3": 1.0},
-             {"loss": 0.5, "ratio_min": 0.8, "ratio_max": 1.3, "kl_k3": 3.0}]
-    assert combine_stats(parts) == {"loss": 0.75, "ratio_min": 0.8, "ratio_max": 1.3, "kl_k3": 2.0}
-
-
-def test_the_launch_command():
-    assert train_command("py", 1) == ["py", "-m", "trainer"]
-    launch = train_command("py", 4)
-    assert launch[2:5] == ["py", "-m", "accelerate.commands.launch"] and launch[-2:] == ["-m", "trainer"]
-    assert launch[launch.index("--num_processes") + 1] == "4"
 
 
 def _train(out, model, processes, **extra):

@@ -1,4 +1,5 @@
-"""The submitit executor against a real one-node SLURM cluster (profiles/slurm/local-cluster.sh up).
+"""The submitit executor against a real one-node SLURM cluster (profiles/slurm/local-cluster.sh up). (Its
+parts that need no cluster: tests/test_submitit_plugin.py.)
 
 Without a cluster these tests skip, unless KLSTUDY_REQUIRE_SLURM=1 (set by .ci/run, which brings the
 cluster up): then a missing cluster is a failure.
@@ -21,8 +22,6 @@ import pytest
 import yaml
 from run_helpers import default_sigint
 
-from snakemake_executor_plugin_submitit.executor import parse_sbatch
-from snakemake_executor_plugin_submitit.resources import signature, slurm_parameters
 from trainer.run import TIMING_KEYS
 from trainer.run_files import read_metrics
 
@@ -69,61 +68,6 @@ def squeue() -> list[str]:
 
 def comparable(run: Path) -> list[dict]:
     return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in read_metrics(run / "metrics.jsonl")]
-
-
-# --- the plugin's own parts ----------------------------------------------------------------------
-
-
-def test_resources_map_to_sbatch_parameters():
-    params = slurm_parameters({"gpu": 2, "mem_mb": 64000, "runtime": 240, "slurm_partition": "gpu", "nodes": 1,
-                               "tasks": 1, "constraint": "a100", "slurm_account": "lab"}, 8,
-                              {"partition": "cpu", "account": None, "qos": "normal"})
-    assert params == {"partition": "gpu", "qos": "normal", "cpus_per_task": 8, "gpus_per_node": 2, "mem": "64000M",
-                      "time": 240, "nodes": 1, "ntasks_per_node": 1, "constraint": "a100", "account": "lab"}
-    assert slurm_parameters({"gpus": 1}, 1, {})["gpus_per_node"] == 1
-    assert "gpus_per_node" not in slurm_parameters({"gpu": 0}, 1, {})
-    assert signature(slurm_parameters({"mem_mb": 10}, 1, {})) != signature(slurm_parameters({"mem_mb": 20}, 1, {}))
-    assert parse_sbatch("exclusive=, mail-type=END") == {"exclusive": "", "mail_type": "END"}
-
-
-def test_checkpoint_stops_the_command_gently_then_hands_back_the_same_command(tmp_path):
-    """What a job does when SLURM warns of its time limit: SIGTERM to the command's whole process group
-    (here a shell that saves its state on SIGTERM, and a grandchild), wait for it, requeue the same command."""
-    import threading
-
-    from snakemake_executor_plugin_submitit.command import JobCommand, JobFailed
-
-    saved = tmp_path / "saved"
-    command = JobCommand(f"trap 'echo step > {saved}; exit 75' TERM; sleep 60 & wait", grace_s=20)
-    outcome = {}
-
-    def call():
-        try:
-            command()
-        except JobFailed as error:
-            outcome["error"] = str(error)
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    while command._process is None:
-        time.sleep(0.05)
-    time.sleep(0.5)  # the shell has set its trap
-    start = time.monotonic()
-    requeued = command.checkpoint()
-    thread.join(timeout=10)
-    assert saved.read_text() == "step\n" and time.monotonic() - start < 10  # stopped gently, not at the deadline
-    assert outcome["error"] == "the job's command exited with status 75"
-    assert requeued.function.command == command.command and requeued.function is not command
-
-
-def test_plugin_settings_appear_in_snakemake_help(tmp_path):
-    result = subprocess.run([*SNAKEMAKE, "--help"], capture_output=True, text=True, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    for option in ("--submitit-folder", "--submitit-partition", "--submitit-account", "--submitit-qos",
-                   "--submitit-array-parallelism", "--submitit-max-timeouts", "--submitit-signal-delay",
-                   "--submitit-sbatch"):
-        assert option in result.stdout, option
-    assert "SNAKEMAKE_SUBMITIT_PARTITION" in result.stdout and "SNAKEMAKE_SUBMITIT_ACCOUNT" in result.stdout
 
 
 # --- against the cluster -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""End-to-end training: a toy run, resume after SIGKILL, SIGTERM, async rollouts, guards, bad configs."""
+"""End-to-end training: a toy run, resume after SIGKILL, SIGTERM, async rollouts, guards (bad configs and what
+needs no training: tests/test_train_config.py)."""
 
 import hashlib
 import json
@@ -14,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from rounding import logprob_rounding
-from run_helpers import TOY_RUN, metrics, objective, overrides, start_cli, train_cli, wait_for_lines
+from run_helpers import TOY_RUN, metrics, objective, overrides, start_cli, train_cli, trainer_in_process, wait_for_lines
 from safetensors.torch import load_file
 
 from trainer import checkpoint
 from trainer import config as run_config
 from trainer.model.models import load_model
-from trainer.run import COMPLETE, EXIT_PREEMPTED, TIMING_KEYS, Run, TrainingError, directory
+from trainer.run import COMPLETE, EXIT_PREEMPTED, TIMING_KEYS, Run, TrainingError
 from trainer.run.producer import Producer
 
 
@@ -71,7 +72,7 @@ def test_toy_run_end_to_end(reference_run, warm_model):
     reference = json.loads((out / "objective_reference.json").read_text())
     assert len(reference["histograms"]) == 8 and all(sum(c for _, c in h) == 8 for h in reference["histograms"])
     before = (out / "metrics.jsonl").read_text()
-    again = train_cli(out, warm_model, **REFERENCE_CHECKPOINTS)
+    again = trainer_in_process("train", "--out", str(out), *overrides(warm_model, **REFERENCE_CHECKPOINTS))
     assert again.returncode == 0 and "already complete" in again.stderr
     assert (out / "metrics.jsonl").read_text() == before
 
@@ -106,7 +107,8 @@ def test_sigterm_checkpoints_and_exits_with_the_preempted_status(warm_model, tmp
     steps = len(metrics(out))
     path = out / "checkpoints" / f"step_{steps}"
     assert checkpoint.verify(path) is None  # complete and consistent with its manifest
-    result = train_cli(out, warm_model, **{"checkpoint.every": 100, "train.steps": steps + 2})
+    result = trainer_in_process("train", "--out", str(out),
+                                *overrides(warm_model, **{"checkpoint.every": 100, "train.steps": steps + 2}))
     assert result.returncode != 0 and "different config (train.steps)" in result.stderr  # runs are never mixed
 
 
@@ -172,43 +174,6 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(warm_model, tmp_path, 
     assert line["skipped_updates"] == 1 and _weights_hash(run.policy) == before
     with pytest.raises(TrainingError, match="2 non-finite updates in a row at step 1"):
         run.run_step()
-
-
-@pytest.mark.parametrize("override,message", [
-    ("objective.estimator=k4", "objective.estimator: 'k4' is not one of k1, k2, k3"),
-    ("objective.placement=everywhere", "objective.placement: 'everywhere' is not one of"),
-    ("objective.advantage=ppo", "objective.advantage: 'ppo' is not one of"),
-    ("objective.beta=-0.1", "objective.beta: must be a finite number >= 0"),
-    ("train.group_size=1", "train.group_size: advantage rloo needs group_size >= 2"),
-    ("model.path=/no/such/model", "model.path: model path /no/such/model does not exist"),
-    ("train.lerning_rate=0.1", "train.lerning_rate: unknown key"),
-    ("task.name=math", "task.options: "),
-])
-def test_bad_configs_fail_before_any_model_loads_with_one_clear_message(warm_model, tmp_path, override, message):
-    result = subprocess.run([sys.executable, "-m", "trainer", "train", "--out", str(tmp_path / "bad"),
-                             *overrides(warm_model), override], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
-    assert not (tmp_path / "bad" / "checkpoints").exists()
-
-
-def test_empty_data_set_is_a_clear_error(warm_model, tmp_path):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    result = subprocess.run([sys.executable, "-m", "trainer", "train", "--out", str(tmp_path / "run"),
-                             *overrides(warm_model), "task.name=math", f"task.options={{path: {empty}}}"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "has no records" in result.stderr and "Traceback" not in result.stderr
-
-
-def test_config_file_with_overrides_and_yaml_floats(tmp_path, warm_model):
-    path = tmp_path / "run.yaml"
-    path.write_text(f"model: {{path: {warm_model}}}\ntrain: {{lr: 1e-4, steps: 3}}\nobjective: {{beta: 1e-3}}\n")
-    config = run_config.load(path, ["train.steps=5"])
-    assert config.train.lr == 1e-4 and config.objective.beta == 1e-3 and config.train.steps == 5
-    with pytest.raises(run_config.ConfigError, match="--config: no such file"):
-        run_config.load(tmp_path / "absent.yaml")
 
 
 @pytest.mark.slow
@@ -317,14 +282,6 @@ def test_tis_against_an_exact_engine_weights_every_token_by_one(warm_model, tmp_
     assert line["mismatch_logp_mean"] <= lp
 
 
-def test_resume_drops_a_torn_metrics_line(tmp_path):
-    """A run killed in the middle of writing metrics.jsonl leaves a partial last line."""
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n" + json.dumps({"step": 1}) + "\n"
-                                            + '{"step": 2, "rew')
-    directory.truncate_metrics(tmp_path, 1)
-    assert metrics(tmp_path) == [{"step": 0}]
-
-
 def test_a_run_killed_before_its_first_checkpoint_starts_over_with_clean_metrics(warm_model, tmp_path):
     """Ctrl-C between a step's metrics line and its checkpoint: the lines written so far go, instead of
     being followed by a second step 0 (a reduced study under Snakemake found this)."""
@@ -336,21 +293,6 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_with_clean_metrics
     assert done.returncode == 0, done.stderr
     assert [m["step"] for m in metrics(out)] == [0, 1] and all(m["reward_mean"] != 9.0 for m in metrics(out))
     assert (out / "objective.jsonl").read_text() == ""
-
-
-def test_a_run_started_before_a_config_key_existed_still_resumes(warm_model, tmp_path):
-    """config.yaml of a run started by an older klstudy lacks the keys added since: at their
-    defaults they are no change; set otherwise, they are."""
-    import yaml
-
-    config = run_config.load(None, overrides(warm_model))
-    saved = config.to_dict()
-    del saved["rollout"]["vllm_cpu_kvcache_gib"]
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
-    directory.check_or_write_config(tmp_path, config)
-    changed = run_config.load(None, overrides(warm_model, **{"rollout.vllm_cpu_kvcache_gib": 2}))
-    with pytest.raises(run_config.ConfigError, match=r"different config \(rollout.vllm_cpu_kvcache_gib\)"):
-        directory.check_or_write_config(tmp_path, changed)
 
 
 def test_train_runs_trains_a_plan_in_one_process_as_single_runs_would(warm_model, tmp_path):
@@ -366,12 +308,7 @@ def test_train_runs_trains_a_plan_in_one_process_as_single_runs_would(warm_model
     assert _comparable(metrics(tmp_path / "b")) == _comparable(metrics(tmp_path / "b-alone"))  # nothing leaks over
     assert _comparable(metrics(tmp_path / "a")) != _comparable(metrics(tmp_path / "b"))
 
-    # a bad config anywhere in the plan stops it before any run starts
-    bad = {str(tmp_path / "c"): overrides(warm_model, **short), str(tmp_path / "d"): ["train.stepz=2"]}
-    refused = subprocess.run([sys.executable, "-m", "trainer", "train-runs", "--plan", json.dumps(bad)],
-                             capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 2 and "d: train.stepz: unknown key" in refused.stderr
-    assert not (tmp_path / "c").exists()
+    # (a bad config anywhere in the plan: tests/test_train_config.py)
     # a run that fails does not stop the next one
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "config.yaml").write_text("train: {steps: 99}\n")  # another run's directory

@@ -1,5 +1,6 @@
 """The Snakemake study, run for real: a reduced toy grid end to end, interrupted by a real signal and
-resumed; bad study configs stopped before any job; the paper study's DAG."""
+resumed; bad study configs stopped before any job; the paper study's DAG. (The grid without Snakemake:
+tests/test_study_grid.py.)"""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,8 +19,6 @@ import pytest
 import yaml
 from run_helpers import default_sigint
 
-from sweep import jobs
-from sweep.grid import StudyError, load_study, run_id
 from trainer.run_files import COMPLETE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,6 +56,30 @@ def write_config(directory: Path, config: dict) -> Path:
 def snakemake(directory: Path, config: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([*SNAKEMAKE, *LOCAL, "--directory", str(directory), "--configfile", str(config), *args],
                           capture_output=True, text=True, timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+
+
+# The outputs of a study's prepare jobs (build_model, prepare_data, audit) for REDUCED and its variants.
+PREPARED = ["results/models/toy-sft.ready", "results/data/heldout.jsonl", "results/audit/gradient_audit.csv"]
+
+
+def prepare(directory: Path, config: dict, profile: list[str] = LOCAL) -> Path:
+    """`directory` with the study's prepare jobs run through Snakemake, and nothing else: the toy model built
+    and warmed up, the held-out data, the gradient audit (about half of a reduced study's time)."""
+    done = subprocess.run([*SNAKEMAKE, *PREPARED, *profile, "--directory", str(directory), "--configfile",
+                           str(write_config(directory, config))], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return directory
+
+
+def from_prepared(directory: Path, prepared: Path) -> None:
+    """`directory`, whose study.yaml has `prepared`'s models and data, as it stands after its prepare jobs:
+    `prepared`'s outputs and logs, with their mtimes, and Snakemake's records of them (so that nothing in them
+    is out of date). The reduced studies share one prepare stage this way (conftest.prepared_toy_study); each
+    still runs every other job of its own."""
+    mine, theirs = (yaml.safe_load((d / "study.yaml").read_text()) for d in (directory, prepared))
+    assert {k: mine[k] for k in ("models", "data")} == {k: theirs[k] for k in ("models", "data")}
+    shutil.copytree(prepared / "results", directory / "results", ignore=shutil.ignore_patterns("configs"))
+    shutil.copytree(prepared / ".snakemake" / "metadata", directory / ".snakemake" / "metadata")
 
 
 def jobs_run(log: str, rule: str) -> list[str]:
@@ -97,80 +121,12 @@ def snakemake_jobs(counts: dict[str, int]) -> dict[str, int]:
     return jobs
 
 
-# --- grid expansion (no Snakemake) -----------------------------------------------------------------
+def tree(directory: Path) -> dict[str, tuple[int, int]]:
+    """Every file and directory under `directory`: its size and mtime."""
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*")}
 
 
-def test_grid_deduplicates_the_baseline_and_names_runs_stably():
-    config_without_steps = toy_config()
-    study = load_study(toy_config())
-    ids = [r.run_id for r in study.runs]
-    assert len(ids) == 9 * 1 * 3 + 3 and len(set(ids)) == len(ids)  # one baseline per seed
-    assert "toy-sft__k3-reward+loss__b0.1__s1" in ids and "toy-sft__none__s0" in ids
-    none = study.run("toy-sft__none__s0")
-    assert none.config["objective"] == {"advantage": "rloo", "placement": "none"}
-    k3 = study.run("toy-sft__k3-loss__b0.1__s1")
-    assert k3.config["objective"] == {"advantage": "rloo", "placement": "loss", "estimator": "k3", "beta": 0.1}
-    two_betas = toy_config()
-    two_betas["grid"]["betas"] = [0.1, 1.0]
-    ids = [r.run_id for r in load_study(two_betas).runs]
-    assert len(ids) == 9 * 2 * 3 + 3 and len(set(ids)) == len(ids)  # one baseline per seed, not per beta
-    assert k3.config["train"]["seed"] == 1 and k3.config["model"] == {"path": "results/models/toy-sft",
-                                                                       "name": "toy-sft"}
-    assert run_id("m", "k1", "reward", 1.0, 0) == "m__k1-reward__b1__s0"  # 1.0 and 1 name the same run
-    del config_without_steps["run"]["train"]["steps"]
-    config_without_steps["run"]["checkpoint"]["every"] = 10
-    study = load_study({**config_without_steps, "evaluate": {**config_without_steps["evaluate"], "every": 10}})
-    assert study.eval_steps("toy-sft__none__s0") == [10]  # train.steps defaults to 20
-    assert study.run("toy-sft__none__s0").config["measure"]["every"] == 10  # evaluated checkpoints are measured
-
-
-def test_grid_include_and_exclude():
-    config = toy_config()
-    config["grid"]["betas"] = [0.1, 1.0]
-    config["grid"].update(exclude=[{"placement": "reward+loss"}, {"estimator": "k2", "beta": 1.0}],
-                          include=[{"estimator": "k2", "placement": "reward", "beta": [1.0, 2], "seed": 7}])
-    ids = [r.run_id for r in load_study(config).runs]
-    assert not any("reward+loss" in i for i in ids)
-    assert "toy-sft__k2-loss__b1__s0" not in ids and "toy-sft__k2-loss__b0.1__s0" in ids
-    assert "toy-sft__k2-reward__b2__s7" in ids and "toy-sft__k2-reward__b1__s7" not in ids  # excluded again
-
-
-def test_bundles_chunk_the_grid_in_order_and_never_mix_models(tmp_path):
-    config = toy_config()
-    config["grid"]["betas"] = [0.1, 1.0]
-    config["models"]["other"] = {"path": "some/model"}
-    study = load_study({**config, "results": str(tmp_path), "bundle": {"train": 8, "evaluate": 1}})
-    ids = [r.run_id for r in study.runs]
-    work = jobs.plan(study, record=False)
-    bundles = [bundle.pending for bundle in work.train_bundles]
-    assert sorted(run for bundle in bundles for run in bundle) == sorted(ids)  # every run once
-    assert [run for bundle in bundles[:8] for run in bundle] == [i for i in ids if i.startswith("toy-sft")]  # in order
-    assert all(len({study.run(r).model for r in bundle}) == 1 for bundle in bundles)
-    assert [len(bundle) for bundle in bundles] == [8] * 7 + [1] + [8] * 7 + [1]  # 57 runs per model
-    assert work.evaluate_bundles == [] and [t.run for t in work.evaluations] == ids  # a job per evaluation
-    with pytest.raises(StudyError, match="bundle.train: must be >= 1"):
-        load_study({**config, "bundle": {"train": 0}})
-    with pytest.raises(StudyError, match="bundle.report: unknown"):
-        load_study({**config, "bundle": {"report": 2}})
-
-
-@pytest.mark.parametrize("change, key", [
-    ({"grid": {"estimators": ["k4"], "betas": [0.1]}}, "grid.estimators[0]"),
-    ({"grid": {"betas": [0.1], "sedes": [0]}}, "grid.sedes"),
-    ({"run": {"train": {"stepz": 3}}}, "run.train.stepz"),
-    ({"run": {"objective": {"loss_agg": "sum"}}}, "run.objective.loss_agg"),
-    ({"models": {"toy-sft": {"path": "x", "run": {"train": {"lr": -1}}}}}, "models.toy-sft.run.train.lr"),
-    ({"evaluate": {"suites": ["toy"], "data": {}}}, "evaluate.data.arith"),
-    ({"evaluate": {"every": 7}}, "evaluate.every"),
-    ({"models": {"a__b": {"path": "x"}}}, "models.a__b"),
-])
-def test_bad_study_configs_name_the_key(change, key):
-    config = toy_config()
-    for section, value in change.items():
-        config[section] = value if section == "models" else {**config.get(section, {}), **value}
-    with pytest.raises(StudyError) as error:
-        load_study(config)
-    assert str(error.value).startswith(key), str(error.value)
+# (the grid without Snakemake: tests/test_study_grid.py)
 
 
 # --- Snakemake itself ----------------------------------------------------------------------------
@@ -213,11 +169,12 @@ def test_paper_dry_run_lists_the_full_grid(tmp_path, name, runs, suites, checkpo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
-def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop):
+def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop, prepared_toy_study):
     """Ctrl-C, or a hard kill of Snakemake and its jobs (the OOM killer, a closed login session),
     then the same command: only what is missing runs. After SIGKILL, Snakemake's lock is left behind
     and the same command used to fail with LockException until --unlock."""
     config = write_config(tmp_path, REDUCED)
+    from_prepared(tmp_path, prepared_toy_study)
     results = tmp_path / "results"
     log = (tmp_path / "first.log").open("w")
     process = subprocess.Popen([*SNAKEMAKE, *LOCAL, "--directory", str(tmp_path), "--configfile", str(config)],
@@ -283,7 +240,7 @@ def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop):
 
 
 @pytest.mark.slow
-def test_reduced_toy_study_in_bundles_with_an_extra_axis_and_the_measured_objective(tmp_path):
+def test_reduced_toy_study_in_bundles_with_an_extra_axis_and_the_measured_objective(tmp_path, prepared_toy_study):
     """An async-level axis doubles the grid and keeps its first half's ids; two runs per training job and
     three evaluations per evaluation job: fewer processes, the same files; every run measures its
     objective; the report has the gap, the reference, the axis in rows and columns and its figures,
@@ -293,9 +250,11 @@ def test_reduced_toy_study_in_bundles_with_an_extra_axis_and_the_measured_object
     config["bundle"] = {"train": 2, "evaluate": 3}
     config["run"]["measure"] = {"prompts": 8, "samples": 4, "reference_samples": 8, "task_options": {"seed": 1}}
     path = write_config(tmp_path, config)
+    from_prepared(tmp_path, prepared_toy_study)
     runs = REDUCED_RUNS + [name.replace("__s0", "__async1__s0") for name in REDUCED_RUNS]
+    before = tree(tmp_path / "results")
     dry = snakemake(tmp_path, path, "-n")
-    assert dry.returncode == 0 and not (tmp_path / "results").exists(), dry.stderr[-3000:]
+    assert dry.returncode == 0 and tree(tmp_path / "results") == before, dry.stderr[-3000:]  # a dry run writes nothing
     assert all(f"results/runs/{name}" in dry.stdout + dry.stderr for name in runs)  # in the train jobs' plans
     done = snakemake(tmp_path, path)
     assert done.returncode == 0, done.stderr[-5000:]

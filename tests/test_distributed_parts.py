@@ -1,0 +1,32 @@
+"""What micro-batches and several processes rest on, checked without training: micro-batches hold whole
+groups, statistics combine over shares, the launch command. (The updates themselves, compared:
+tests/test_distributed.py.)"""
+
+import pytest
+from test_distributed import _overrides
+
+from trainer import config as run_config
+from trainer.launch import train_command
+from trainer.objective.loss import combine_stats
+from trainer.run import Run
+
+
+def test_micro_batches_must_hold_whole_groups(warm_model, tmp_path):
+    with pytest.raises(run_config.ConfigError, match="train.micro_batch_size: 6 is not a multiple of group_size 4"):
+        run_config.load(None, _overrides(warm_model, **{"train.micro_batch_size": 6}))
+    config = run_config.load(None, _overrides(warm_model, **{"train.micro_batch_size": 12}))
+    with pytest.raises(run_config.ConfigError, match="does not divide the 16 completions"):
+        Run(config, tmp_path / "bad")
+
+
+def test_combined_statistics_add_shares_and_keep_extremes():
+    parts = [{"loss": 0.25, "ratio_min": 0.9, "ratio_max": 1.1, "kl_k3": 1.0},
+             {"loss": 0.5, "ratio_min": 0.8, "ratio_max": 1.3, "kl_k3": 3.0}]
+    assert combine_stats(parts) == {"loss": 0.75, "ratio_min": 0.8, "ratio_max": 1.3, "kl_k3": 2.0}
+
+
+def test_the_launch_command():
+    assert train_command("py", 1) == ["py", "-m", "trainer"]
+    launch = train_command("py", 4)
+    assert launch[2:5] == ["py", "-m", "accelerate.commands.launch"] and launch[-2:] == ["-m", "trainer"]
+    assert launch[launch.index("--num_processes") + 1] == "4"
