@@ -215,7 +215,8 @@ def studies_page() -> str:
         if path.name == "schema.yaml":
             continue
         data = yaml.safe_load(path.read_text())
-        if "models" not in data:  # an override file, which Snakemake merges over another study config
+        # an override file, which Snakemake merges over another study config: no models, or no study name
+        if "models" not in data or "study" not in data:
             lines += [f"## `{path.relative_to(REPO)}`", "", "An override of another study config.", "",
                       _leading_comment(path), ""]
             continue
