@@ -1,4 +1,4 @@
-"""The search for a toy study in which RL learns (issue 29): candidate toys, one run each.
+"""The search for a toy study in which RL learns: candidate toys, one run each.
 
 A candidate is a reference (the toy Llama, SFT-warmed for some steps on a task) and a training
 recipe (batch, learning rate, steps, beta). Each is trained as one k1-reward run (the last four:
@@ -60,7 +60,7 @@ class Candidate:
                 f"train.seed={self.seed}", *self.extra]
 
 
-OLD = {"sft_steps": 300, "task": PLUS_MINUS}      # the toy study until issue 29: +/- up to 9, 300 SFT steps
+OLD = {"sft_steps": 300, "task": PLUS_MINUS}      # the earlier toy study: +/- up to 9, 300 SFT steps
 
 CANDIDATES = [
     # The old toy: a strong reference (0.63 sampled, 0.99 greedy) that RL can only sharpen.

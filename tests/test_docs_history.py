@@ -1,4 +1,4 @@
-"""The documentation is for users, not a work log (issue 40).
+"""The documentation is for users, not a work log.
 
 Outside docs/changelog.md, which keeps the history in short ("How the designs were found"), no
 tracked Markdown file refers to an issue by number or tells who found what on the team's build
@@ -39,7 +39,7 @@ BANNED = re.compile("|".join([ISSUE.pattern, *map(re.escape, PHRASES)]), re.I)
 # strict: once the page is clean the test passes unexpectedly and fails, so that the entry goes.
 PENDING: set[str] = set()
 
-# The terms issue 40 found unexplained, and the others the pages rely on: each a glossary heading.
+# The terms a new reader found unexplained, and the others the pages rely on: each a glossary heading.
 TERMS = {
     "sg(": "sg(), stop-gradient",
     "TIS": "TIS",

@@ -68,7 +68,7 @@ def test_a_bad_presets_grid_names_the_key(grid, message):
 
 
 def test_the_presets_study_builds_on_the_toy_study():
-    """Moving the presets study to another toy (issue 29) is copying toy.yaml's sections: they must agree."""
+    """Moving the presets study to another toy is copying toy.yaml's sections: they must agree."""
     toy = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
     peers = yaml.safe_load((REPO / "workflow" / "config" / "toy_peers.yaml").read_text())
     for section in ("models", "run", "data", "evaluate"):
