@@ -167,7 +167,7 @@ def test_the_schema_alone_names_keys_too():
     assert schema_problem(toy(grid={"axes": {"train.lr": []}}), SCHEMA) == \
         "grid.axes.train.lr: got [] (expected a list of values, at least 1)"
     live = toy(tracking={"uri": "http://127.0.0.1:5000"})
-    assert check_study(live, SCHEMA).tracking_uri == "http://127.0.0.1:5000"  # the key is allowed (live tracking uses it)
+    assert check_study(live, SCHEMA).tracking_uri == "http://127.0.0.1:5000"  # the key is allowed: live tracking
     for name in ("toy", "toy_offpolicy", "paper", "paper_offpolicy"):
         assert schema_problem(yaml.safe_load((REPO / "workflow" / "config" / f"{name}.yaml").read_text()), SCHEMA) \
             is None
