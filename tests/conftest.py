@@ -5,6 +5,8 @@ server serving it and the paper's data sets on 127.0.0.1."""
 
 import copy
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -111,3 +113,21 @@ def confident_model():
     rollouts = Rollouts([[int(i)] for i in ids[:, 0]], ids[:, 1:].tolist(), [[0.0] * 64] * 8, [""] * 8,
                         ["length"] * 8, 1)
     return model, pack(rollouts, pad_id=0)
+
+
+def cluster_up() -> bool:
+    """Whether a SLURM cluster answers here with a node that can run jobs."""
+    if shutil.which("sinfo") is None:
+        return False
+    state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
+    return state.returncode == 0 and any(s.strip() in ("idle", "mix", "alloc") for s in state.stdout.split())
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A SLURM cluster (profiles/slurm/local-cluster.sh up): skipped without one, failed with
+    KLSTUDY_REQUIRE_SLURM=1 (CI)."""
+    if not cluster_up():
+        if os.environ.get("KLSTUDY_REQUIRE_SLURM") == "1":
+            pytest.fail("no SLURM cluster: run profiles/slurm/local-cluster.sh up")
+        pytest.skip("no SLURM cluster (profiles/slurm/local-cluster.sh up starts one)")

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_slurm import cluster_up
 
 from eval.suites import IN_DOMAIN, OUT_OF_DOMAIN
 from sweep.checks import merge
@@ -56,11 +55,7 @@ def math2_records(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_paper_study_at_cpu_size_runs_through_slurm_with_offline_jobs(hub, tmp_path):
-    if not cluster_up():
-        if os.environ.get("KLSTUDY_REQUIRE_SLURM") == "1":
-            pytest.fail("no SLURM cluster: run profiles/slurm/local-cluster.sh up")
-        pytest.skip("no SLURM cluster (profiles/slurm/local-cluster.sh up starts one)")
+def test_the_paper_study_at_cpu_size_runs_through_slurm_with_offline_jobs(slurm, hub, tmp_path):
     math2_records(tmp_path / "data" / "math2.jsonl")
     env = {**hub.env(tmp_path / "hf"), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,21 +32,6 @@ SLURM = ["--profile", str(REPO / "profiles" / "slurm"), "--seconds-between-statu
 
 SMALL = yaml.safe_load((REPO / "benchmarks" / "slurm_study.yaml").read_text())
 SMALL_RUNS = ["toy-sft__k1-reward__b0.1__s0", "toy-sft__none__s0"]
-
-
-def cluster_up() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
-    return state.returncode == 0 and any(s.strip() in ("idle", "mix", "alloc") for s in state.stdout.split())
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    if not cluster_up():
-        if os.environ.get("KLSTUDY_REQUIRE_SLURM") == "1":
-            pytest.fail("no SLURM cluster: run profiles/slurm/local-cluster.sh up")
-        pytest.skip("no SLURM cluster (profiles/slurm/local-cluster.sh up starts one)")
 
 
 def write_config(directory: Path, config: dict) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_slurm import SLURM, cluster_up
+from test_slurm import SLURM
 from test_workflow import LOCAL, SNAKEMAKE, write_config
 
 from sweep import jobs, rerun, status
@@ -331,9 +331,5 @@ def test_the_study_killed_three_times_grown_and_repaired_locally(tmp_path, unint
 
 
 @pytest.mark.slow
-def test_the_study_killed_three_times_grown_and_repaired_on_slurm(tmp_path, uninterrupted):
-    if not cluster_up():
-        if os.environ.get("KLSTUDY_REQUIRE_SLURM") == "1":
-            pytest.fail("no SLURM cluster: run profiles/slurm/local-cluster.sh up")
-        pytest.skip("no SLURM cluster (profiles/slurm/local-cluster.sh up starts one)")
+def test_the_study_killed_three_times_grown_and_repaired_on_slurm(slurm, tmp_path, uninterrupted):
     grow_and_heal(tmp_path, SLURM, uninterrupted)
