@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
+from sweep.executor_settings import executor_setting
 from sweep.grid import Study
 from trainer.config import ModelConfig, TrainConfig
 
@@ -247,25 +246,9 @@ def _tensor_elements(path: Path) -> int:
 
 
 def signal_delay(argv: list[str], environ: Mapping[str, str]) -> tuple[int, str]:
-    """The executor's signal delay and where it comes from: the command line, the environment, the profile's
-    config.yaml (`--profile DIR` or SNAKEMAKE_PROFILE), else the executor's default."""
-    option, variable = "--submitit-signal-delay", "SNAKEMAKE_SUBMITIT_SIGNAL_DELAY"
-    for i, arg in enumerate(argv):
-        if arg.startswith(f"{option}="):
-            return int(arg.split("=", 1)[1]), option
-        if arg == option and i + 1 < len(argv):
-            return int(argv[i + 1]), option
-    if environ.get(variable):
-        return int(environ[variable]), variable
-    profile = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--profile"),
-                   next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--profile=")),
-                        environ.get("SNAKEMAKE_PROFILE")))
-    if profile:
-        config = Path(profile) / "config.yaml"
-        settings = yaml.safe_load(config.read_text()) if config.is_file() else None
-        if isinstance(settings, dict) and "submitit-signal-delay" in settings:
-            return int(settings["submitit-signal-delay"]), str(config)
-    return DEFAULT_SIGNAL_DELAY_S, "the executor's default"
+    """The executor's signal delay and where it comes from (sweep.executor_settings), else its default."""
+    found = executor_setting("signal-delay", argv, environ)
+    return (int(found[0]), found[1]) if found else (DEFAULT_SIGNAL_DELAY_S, "the executor's default")
 
 
 def steps_of(config: Mapping[str, Any]) -> int:

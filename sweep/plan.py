@@ -5,9 +5,9 @@ the work left: a finished run or evaluation is in no job; track; report): how ma
 resources each gets from the study config, and the sbatch options the submitit executor
 (profiles/slurm) gives them, with the partition, account and QOS that come from its settings
 (`--submitit-partition ...` on the command line, else the environment's SNAKEMAKE_SUBMITIT_PARTITION
-...; a rule's `slurm_partition` resource wins over both). Then each run's state: it starts fresh,
-resumes from step N (the newest checkpoint that passes the trainer's
-own check), or is finished. Last, the budget of the work left (sweep.budget): GPU-hours per group and
+..., else the profile's config.yaml; a rule's `slurm_partition` resource wins over them). Then each
+run's state: it starts fresh, resumes from step N (the newest checkpoint that passes the trainer's own
+check), or is finished. Last, the budget of the work left (sweep.budget): GPU-hours per group and
 for the study, and whether a stopped job has the time to save its run.
 """
 
@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from snakemake_executor_plugin_submitit.resources import slurm_parameters
 from sweep import budget
+from sweep.executor_settings import executor_setting
 from sweep.grid import Study
 from sweep.jobs import Work
 from trainer.run_files import COMPLETE
@@ -28,18 +29,9 @@ _SBATCH_ORDER = ("cpus_per_task", "gpus_per_node", "mem", "time", "nodes", "ntas
 
 
 def slurm_defaults(argv: list[str], environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """setting -> (value, where it came from), for the settings that have one."""
-    found = {}
-    for name in SETTINGS:
-        option, variable = f"--submitit-{name}", f"SNAKEMAKE_SUBMITIT_{name.upper()}"
-        for i, arg in enumerate(argv):
-            if arg.startswith(f"{option}="):
-                found[name] = (arg.split("=", 1)[1], option)
-            elif arg == option and i + 1 < len(argv):
-                found[name] = (argv[i + 1], option)
-        if name not in found and environ.get(variable):
-            found[name] = (environ[variable], variable)
-    return found
+    """setting -> (value, where it came from), for the settings that have one (sweep.executor_settings)."""
+    found = {name: executor_setting(name, argv, environ) for name in SETTINGS}
+    return {name: value for name, value in found.items() if value}
 
 
 def sbatch_options(resources: Mapping[str, Any], defaults: Mapping[str, str]) -> str:

@@ -266,3 +266,16 @@ def test_run_states(tmp_path):
     torn.mkdir(parents=True)
     (torn / "manifest.json").write_text(json.dumps({"step": 10, "files": {"trainer_state.pt": 5}}))
     assert run_state(tmp_path / "torn") == ("fresh", None)  # its only checkpoint lacks a file: starts over
+
+
+def test_a_profiles_settings_reach_the_plan_and_the_last_option_wins(tmp_path):
+    """The plan reads the executor's settings as Snakemake does: the profile's config.yaml below the
+    command line and the environment, and of two options the last."""
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    (profile / "config.yaml").write_text("submitit-partition: big\nsubmitit-qos: low\n")
+    argv = ["snakemake", "--profile", str(profile), "--submitit-qos=a", "--submitit-qos", "b"]
+    assert slurm_defaults(argv, {}) == {"partition": ("big", str(profile / "config.yaml")),
+                                        "qos": ("b", "--submitit-qos")}
+    from_environment = slurm_defaults(["snakemake"], {"SNAKEMAKE_PROFILE": str(profile)})
+    assert from_environment["qos"] == ("low", str(profile / "config.yaml"))
