@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 from test_slurm import SNAKEMAKE
 
@@ -31,8 +32,9 @@ def test_checkpoint_stops_the_command_gently_then_hands_back_the_same_command(tm
 
     from snakemake_executor_plugin_submitit.command import JobCommand, JobFailed
 
-    saved = tmp_path / "saved"
-    command = JobCommand(f"trap 'echo step > {saved}; exit 75' TERM; sleep 60 & wait", grace_s=20)
+    saved, pid_file = tmp_path / "saved", tmp_path / "grandchild"
+    command = JobCommand(f"trap 'echo step > {saved}; exit 75' TERM; sleep 60 & echo $! > {pid_file}; wait",
+                         grace_s=20)
     outcome = {}
 
     def call():
@@ -43,14 +45,21 @@ def test_checkpoint_stops_the_command_gently_then_hands_back_the_same_command(tm
 
     thread = threading.Thread(target=call)
     thread.start()
-    while command._process is None:
-        time.sleep(0.05)
-    time.sleep(0.5)  # the shell has set its trap
-    start = time.monotonic()
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        time.sleep(0.05)  # the shell has set its trap and started the grandchild
+    grandchild = int(pid_file.read_text())
     requeued = command.checkpoint()
-    thread.join(timeout=10)
-    assert saved.read_text() == "step\n" and time.monotonic() - start < 10  # stopped gently, not at the deadline
-    assert outcome["error"] == "the job's command exited with status 75"
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    # the trap's own exit status: the shell saved its state on SIGTERM, it was not killed at the deadline
+    assert saved.read_text() == "step\n" and outcome["error"] == "the job's command exited with status 75"
+    status = Path(f"/proc/{grandchild}/status")
+    for _ in range(200):  # the grandchild got SIGTERM too (it is in the group): gone, or a zombie nobody reaps
+        if not status.exists() or "\nState:\tZ" in status.read_text():
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the command's grandchild {grandchild} outlived the checkpoint")
     assert requeued.function.command == command.command and requeued.function is not command
 
 
