@@ -5,8 +5,11 @@ cluster, is in tests/test_slurm.py."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from snakemake_executor_plugin_submitit.resources import command_step, slurm_parameters
 from trainer import srun
@@ -49,7 +52,20 @@ def test_each_task_gets_torchs_variables_from_slurms():
         "MASTER_PORT": str(srun.master_port("1234567"))}
     ports = {srun.master_port(str(job)) for job in range(1000, 1100)}
     assert len(ports) == 100 and all(srun.PORTS[0] <= p < srun.PORTS[1] for p in ports)
+
+
+def test_rank_zeros_host_is_the_first_of_the_node_list_as_scontrol_expands_it():
+    if shutil.which("scontrol") is None:  # SLURM's commands, without a cluster: the expansion is local
+        if os.environ.get("KLSTUDY_REQUIRE_SLURM") == "1":
+            pytest.fail("KLSTUDY_REQUIRE_SLURM=1 but scontrol is not installed (profiles/slurm/local-cluster.sh up)")
+        pytest.skip("scontrol is not installed (profiles/slurm/local-cluster.sh up installs SLURM)")
     assert srun.first_host("node[03-05,7],gpu1") == "node03"
+
+
+def test_without_scontrol_the_node_list_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(srun.LaunchError, match=r"scontrol is not on PATH.*node\[03-05\]"):
+        srun.first_host("node[03-05]")
 
 
 def test_several_nodes_outside_slurm_is_one_error():

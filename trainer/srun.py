@@ -59,7 +59,11 @@ def master_port(job_id: str) -> int:
 
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list (`node[03-05,7],gpu1` -> node03), as scontrol expands it."""
-    done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+    try:
+        done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise LaunchError(f"scontrol is not on PATH, and it expands the job's node list ({nodelist}): run the "
+                          "training tasks on the cluster's nodes, where SLURM's commands are") from None
     hosts = done.stdout.split()
     if done.returncode != 0 or not hosts:
         raise LaunchError(f"scontrol show hostnames {nodelist} failed: {done.stderr.strip() or 'no host'}")
