@@ -83,6 +83,7 @@ step)
     echo "$SHA256  $WORK/x/$GGUF" | sha256sum -c || exit 1
     [ -d "$MODEL" ] || $PY -m trainer import-gguf "$WORK/x/$GGUF" --out "$MODEL" 2>&1 | tail -3
     [ $# -gt 0 ] || set -- --variant "hf-compiled=rollout.hf_decoding=compiled" \
+        --variant "hf-compiled-bf16=rollout.hf_decoding=compiled;train.mixed_precision=bf16" \
         --variant "hf-eager-x10@10=rollout.hf_decoding=eager;train.steps=3"
     timeout "${STEP_SECONDS:-240}" $PY benchmarks/gpu_step.py --model "$MODEL" --out "$WORK/step" --steps 4 --timeout 150 \
         "$@" 2>&1 | tail -n 30

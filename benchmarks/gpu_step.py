@@ -9,7 +9,8 @@ and warms up) of `step_time`, split into `gen_time` (rollouts) and `train_time` 
 policy passes, update), and its tokens a second are (prompt + generated tokens) x K / step time.
 
 The bounds use the device's own peak rates, measured first: a large matrix product in the run's
-dtype (FLOP/s) and a large device-to-device copy (bytes/s, read plus written). For the run's model
+dtype, or in bfloat16 with `train.mixed_precision: bf16` (FLOP/s), and a large device-to-device copy
+(bytes/s, read plus written). For the run's model
 with N_m weights in its matrix products (every linear layer and the output layer) and T tokens in a
 step (prompts and completions):
 
@@ -200,16 +201,19 @@ def main() -> int:
     for text in args.variant or DEFAULT_VARIANTS:
         name, processes, overrides = parse_variant(text)
         overrides = [*args.set, *overrides]
-        dtype = setting(overrides, "model.dtype", config["model"]["dtype"])
-        if dtype not in rates_by_dtype:
-            rates_by_dtype[dtype] = peak_rates(device, dtype)
+        dtype = setting(overrides, "model.dtype", config["model"]["dtype"])  # the weights'
+        mixed = setting(overrides, "train.mixed_precision", config["train"].get("mixed_precision", "no"))
+        arithmetic = "bfloat16" if mixed == "bf16" else dtype  # the bound takes the faster rate where mixed
+        if arithmetic not in rates_by_dtype:
+            rates_by_dtype[arithmetic] = peak_rates(device, arithmetic)
         recompute = str(setting(overrides, "train.gradient_checkpointing",
                                 config["train"].get("gradient_checkpointing", False))).lower() == "true"
         t0 = time.monotonic()
         runs = run_variant(name, processes, overrides, point, args.model, args.out, args.steps, args.timeout)
         sequences = int(setting(overrides, "train.prompts_per_step", config["train"]["prompts_per_step"])) * int(
             setting(overrides, "train.group_size", config["train"]["group_size"]))
-        row = summarize(name, processes, overrides, runs, shape, rates_by_dtype[dtype], dtype, recompute, sequences)
+        row = summarize(name, processes, overrides, runs, shape, rates_by_dtype[arithmetic], dtype, recompute,
+                        sequences)
         row["wall_s"] = time.monotonic() - t0
         rows.append(row)
         print(json.dumps(row), flush=True)

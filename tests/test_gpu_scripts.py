@@ -24,11 +24,12 @@ def test_the_step_harness_times_each_variant_and_sets_it_against_its_bounds(toy_
     done = subprocess.run(
         [sys.executable, "benchmarks/gpu_step.py", "--model", str(toy_model), "--out", str(tmp_path), "--steps", "3",
          *[f"--set={s}" for s in tiny], "--variant", "one=rollout.hf_decoding=eager",
-         "--variant", "two@2=rollout.hf_decoding=eager;train.gradient_checkpointing=false"],
+         "--variant", "two@2=rollout.hf_decoding=eager;train.gradient_checkpointing=false",
+         "--variant", "mixed=rollout.hf_decoding=eager;train.mixed_precision=bf16"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_step.json").read_text())
-    one, two = result["rows"]
+    one, two, mixed = result["rows"]
     assert (one["processes"], one["timed_steps"], two["processes"], two["timed_steps"]) == (1, 2, 2, 4)
     for row in (one, two):
         assert row["step_s"] > 0 and row["compute_s"] > 0 and row["memory_s"] > 0
@@ -37,6 +38,8 @@ def test_the_step_harness_times_each_variant_and_sets_it_against_its_bounds(toy_
     per_token_one, per_token_two = one["flop"] / one["tokens"], two["flop"] / two["tokens"]
     assert abs(per_token_two / per_token_one - 5 / 6) < 0.05
     assert result["rates"]["float32"]["flops_per_s"] > 0 and "| one | 1 |" in (tmp_path / "gpu_step.md").read_text()
+    # bf16 arithmetic over float32 weights: its bound takes bfloat16's measured rate
+    assert set(result["rates"]) == {"float32", "bfloat16"} and mixed["timed_steps"] == 2
 
 
 def _wheel(directory: Path, name: str, version: str, requires: list[str]) -> Path:
