@@ -10,6 +10,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
@@ -18,6 +19,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_wheels  # noqa: E402
 
 
+@pytest.mark.slow
 def test_the_step_harness_times_each_variant_and_sets_it_against_its_bounds(toy_model, tmp_path):
     tiny = ["model.device=cpu", "model.chat_template=false", "train.prompts_per_step=2", "train.group_size=2",
             "train.micro_batch_size=4", "rollout.max_new_tokens=6"]
