@@ -99,7 +99,7 @@ def engine_environment(config: RolloutConfig, device: str, environ: Mapping[str,
     CUDA: Triton's matrix products on float32 inputs in IEEE float32. Triton's default there is TF32
     (10-bit mantissa), and vLLM's Triton attention, the backend it picks for a float32 model, then
     gave log-probs 3e-4 to 1.2e-3 nats from the trainer's on an H100, where float32 rounding allows
-    about 6e-5; a user who wants TF32's speed sets TRITON_F32_DEFAULT=tf32."""
+    6e-5 to 1.6e-4; a user who wants TF32's speed sets TRITON_F32_DEFAULT=tf32."""
     if device == "cpu":
         wanted = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(torch.get_num_threads())}
         return {**{k: v for k, v in wanted.items() if k not in environ},
