@@ -58,6 +58,25 @@ def test_loss_value_on_a_hand_computed_case():
     assert expected.item() == pytest.approx(pg.item() + beta * k3.sum(-1).mean().item())
 
 
+def test_without_statistics_the_loss_and_its_gradient_are_the_same():
+    """stats=False (what the audits ask) skips the statistics, never the loss: the same value and gradient,
+    bit for bit, for every placement, on- and off-policy with TIS."""
+    logp, ref, rewards, mask = _batch()
+    for placement in ("reward", "loss", "reward+loss", "none"):
+        for old, tis in ((None, None), (logp.detach() - 0.1, 2.0)):
+            config = ObjectiveConfig(estimator="k3", placement=placement, beta=0.1, tis_cap=tis)
+            engine = None if tis is None else logp.detach() - 0.2
+            results = []
+            for stats in (True, False):
+                theta = logp.detach().clone().requires_grad_(True)
+                loss, found = compute_loss(theta, ref, old, rewards, mask, 2, config, engine_logp=engine, stats=stats)
+                (grad,) = torch.autograd.grad(loss, theta)
+                results.append((loss.detach(), grad, found))
+            (loss_a, grad_a, found_a), (loss_b, grad_b, found_b) = results
+            assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b)
+            assert found_a and found_b == {}
+
+
 def test_placement_none_ignores_beta():
     logp, ref, rewards, mask = _batch()
     a, _ = compute_loss(logp, ref, None, rewards, mask, 2, ObjectiveConfig(placement="none", beta=0.0))

@@ -86,7 +86,7 @@ def _group_losses(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
                                engine_logp=sampler_token_logp[rows] if engine else None,
                                token_kl=None if token_kl is None else token_kl[rows],
                                old_token_kl=sampler_token_kl[rows] if full and off_policy else None,
-                               entropy=None if entropy is None else entropy[rows])
+                               entropy=None if entropy is None else entropy[rows], stats=False)
         losses.append(loss)
     return theta, losses, weights
 

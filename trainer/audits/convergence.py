@@ -88,7 +88,7 @@ def convergence_audit(vocab: int = 3, length: int = 2, group_size: int = 4, grou
                     rows = torch.multinomial(probs, batch, replacement=True, generator=sampler)
                 token_kl = space.token_kl(theta, ref_logits)[rows] if config.needs_full_kl else None
                 loss, _ = compute_loss(token_logp[rows], ref_token_logp[rows], None, rewards[rows], mask,
-                                       group_size, config, token_kl=token_kl)
+                                       group_size, config, token_kl=token_kl, stats=False)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()

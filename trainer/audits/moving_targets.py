@@ -70,7 +70,7 @@ def moving_targets_audit(vocab: int = 3, length: int = 2, group_size: int = 4, g
                 with torch.no_grad():
                     picked = torch.multinomial(token_logp.sum(-1).exp(), batch, replacement=True, generator=sampler)
                 loss, _ = compute_loss(token_logp[picked], ref_token_logp[picked], None, rewards[picked], mask,
-                                       group_size, coefficient.objective(config))
+                                       group_size, coefficient.objective(config), stats=False)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()

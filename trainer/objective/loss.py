@@ -131,6 +131,7 @@ def compute_loss(
     token_kl: Tensor | None = None,
     old_token_kl: Tensor | None = None,
     entropy: Tensor | None = None,
+    stats: bool = True,
 ) -> tuple[Tensor, dict[str, float]]:
     """The scalar loss to minimise and a dict of plain-float statistics, for one whole batch:
     `batch_advantages` then `policy_loss` (the trainer calls those two itself, so that advantages
@@ -153,6 +154,8 @@ def compute_loss(
               reward when reward_kl is "sampler" and old_logp is given
     entropy   [B, T] the exact entropy of each position's next-token distribution (with grad), for
               config.entropy_coef > 0
+    stats     False: no statistics (an empty dict), for callers that only differentiate the loss (the
+              audits call it tens of thousands of times; the statistics were over a third of their time)
 
     The KL in the reward is computed from mu's log-probs (config.reward_kl "sampler", when old_logp
     is given) or from pi_theta's ("current").
@@ -167,9 +170,9 @@ def compute_loss(
         if placements.REGISTRY[config.placement].centred and old_logp is not None and not sampler:
             centre_kl = reward_kl(config, old_logp, ref_logp, mask, old_token_kl)  # the group means: the sampler's
     adv = batch_advantages(rewards, sequence_kl, group_size, config, mask, centre_kl)
-    loss, stats = policy_loss(logp, ref_logp, old_logp, adv.values, mask, config, totals, engine_logp, token_kl,
-                              entropy)
-    return loss, {**stats, **advantage_stats(adv)}
+    loss, loss_stats = policy_loss(logp, ref_logp, old_logp, adv.values, mask, config, totals, engine_logp,
+                                   token_kl, entropy, stats)
+    return loss, {**loss_stats, **advantage_stats(adv)} if stats else {}
 
 
 def policy_loss(
@@ -183,10 +186,12 @@ def policy_loss(
     engine_logp: Tensor | None = None,
     token_kl: Tensor | None = None,
     entropy: Tensor | None = None,
+    stats: bool = True,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss of some rows given their advantages ([B], or [B, T] with per-token KL rewards; from
     `batch_advantages`): the policy-gradient term, beta x the KL term where the KL goes in the loss, and
-    minus entropy_coef x the entropy; with the loss statistics. The other arguments are `compute_loss`'s."""
+    minus entropy_coef x the entropy; with the loss statistics (none if not `stats`). The other arguments
+    are `compute_loss`'s."""
     per_token = {"adv": adv} if adv.dim() == 2 else {}
     _check_inputs(logp, {} if per_token else {"adv": adv}, None, ref_logp=ref_logp, mask=mask, old_logp=old_logp,
                   engine_logp=engine_logp, token_kl=token_kl, entropy=entropy, **per_token)
@@ -226,17 +231,19 @@ def policy_loss(
                                                         totals)
         loss = loss + loss_entropy
 
-    stats = _stats(logp_c, ref_logp, ratio, clipped, maskf, loss_pg, loss_kl, config, token_kl)
-    stats["loss_entropy"] = float(loss_entropy.detach())
+    if not stats:
+        return loss, {}
+    found = _stats(logp_c, ref_logp, ratio, clipped, maskf, loss_pg, loss_kl, config, token_kl)
+    found["loss_entropy"] = float(loss_entropy.detach())
     if dual_clipped is not None:
-        stats["dual_clip_frac"] = float((dual_clipped & maskf.bool()).sum() / maskf.sum().clamp(min=1))
+        found["dual_clip_frac"] = float((dual_clipped & maskf.bool()).sum() / maskf.sum().clamp(min=1))
     if tis is not None:
-        stats.update(_tis_stats(tis, maskf))
+        found.update(_tis_stats(tis, maskf))
     if sequence is not None:
-        stats.update(_sequence_stats(*sequence, maskf, config.sequence_ratio_cap))
+        found.update(_sequence_stats(*sequence, maskf, config.sequence_ratio_cap))
     if term.bounded is not None:
-        stats["ratio_bounded_frac"] = float((term.bounded & maskf.bool()).sum() / maskf.sum().clamp(min=1))
-    return loss, stats
+        found["ratio_bounded_frac"] = float((term.bounded & maskf.bool()).sum() / maskf.sum().clamp(min=1))
+    return loss, found
 
 
 @torch.no_grad()
