@@ -16,6 +16,7 @@ from snakemake_interface_executor_plugins.jobs import JobExecutorInterface
 from snakemake_executor_plugin_submitit import adopt
 from snakemake_executor_plugin_submitit.command import JobCommand
 from snakemake_executor_plugin_submitit.resources import command_step, signature, slurm_parameters
+from snakemake_executor_plugin_submitit.sacct_watch import SacctWatch
 
 # SLURM states (sacct) of a job that is over, and whether it succeeded.
 SUCCESS = {"COMPLETED"}
@@ -51,6 +52,7 @@ class Executor(RemoteExecutor):
         self.settings = settings
         self.logger.info(f"submitit: job scripts and logs in {self.folder}")
         self.adoptable = adopt.still_running(self.folder.parent)  # an earlier run's jobs that SLURM still runs
+        self.sacct = SacctWatch.attach()  # submitit only logs sacct's failures at its own logger
 
     # --- submission ----------------------------------------------------------------------------
 
@@ -117,6 +119,10 @@ class Executor(RemoteExecutor):
             return
         async with self.status_rate_limiter:
             submitit.SlurmJob.watcher.update()  # one sacct call for every job of this run
+        said = self.sacct.after_update(time.monotonic(), len(active_jobs))
+        if said:
+            level, message = said
+            getattr(self.logger, level)(message)
         for info in active_jobs:
             handle: submitit.SlurmJob = info.aux["submitit"]
             state = (handle.get_info(mode="cache").get("State") or "UNKNOWN").split()[0].upper()

@@ -311,3 +311,32 @@ def test_a_two_task_training_step_stops_at_a_checkpoint_on_sigterm_and_resumes(s
     assert state.startswith("COMPLETED"), (state, log[-3000:])
     assert log.count(f"resumed from checkpoint {saved[0]}") == 2, log[-3000:]
     assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == list(range(steps))  # none lost or repeated
+
+
+@pytest.mark.slow
+def test_a_study_whose_sacct_fails_says_why_and_goes_on_once_it_answers(slurm, tmp_path):
+    """SLURM's accounting daemon stops while a job runs: sacct fails, and submitit keeps the job's old
+    state, so the study used to wait without a word. Now it says why; once slurmdbd is back, the job,
+    finished meanwhile, is seen and the study ends."""
+    (tmp_path / "Snakefile").write_text('rule all:\n    output: "done"\n    shell: "sleep 15; touch {output}"\n')
+    log_path = tmp_path / "snakemake.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "snakemake", "--snakefile", str(tmp_path / "Snakefile"),
+                                    *SLURM, "--directory", str(tmp_path), "--jobs", "1"],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not any("RUNNING smk-all" in line for line in squeue()):
+            assert time.monotonic() < deadline and process.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        subprocess.run(["pkill", "-x", "slurmdbd"], check=True)
+        deadline = time.monotonic() + 120
+        while "sacct has failed" not in log_path.read_text():
+            assert time.monotonic() < deadline and process.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+    finally:  # the cluster is whole again for the tests after this one
+        subprocess.run([str(REPO / "profiles" / "slurm" / "local-cluster.sh"), "up"], check=True,
+                       capture_output=True)
+    assert process.wait(timeout=300) == 0, log_path.read_text()[-3000:]
+    text = log_path.read_text()
+    assert (tmp_path / "done").exists() and "slurmdbd and its database" in text and "sacct answers again" in text

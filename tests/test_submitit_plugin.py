@@ -71,3 +71,32 @@ def test_plugin_settings_appear_in_snakemake_help(tmp_path):
                    "--submitit-sbatch"):
         assert option in result.stdout, option
     assert "SNAKEMAKE_SUBMITIT_PARTITION" in result.stdout and "SNAKEMAKE_SUBMITIT_ACCOUNT" in result.stdout
+
+
+def test_a_run_of_sacct_failures_is_said_once_a_minute_and_its_end_too():
+    """submitit logs sacct's failures at its own logger and keeps the old job states; the executor's watch
+    turns three failed updates in a row into one message naming the cause, again at most once a minute,
+    and says when sacct answers again."""
+    import logging
+
+    from snakemake_executor_plugin_submitit.sacct_watch import SacctWatch
+
+    watch = SacctWatch.attach()
+    submitit_logger = logging.getLogger("submitit")
+    try:
+        def update(now: float, fails: bool):
+            if fails:  # what submitit logs when its sacct call fails
+                submitit_logger.warning("Call #7 - Bypassing sacct error Command '['sacct']' returned non-zero "
+                                        "exit status 1., status may be inaccurate.")
+            return watch.after_update(now, jobs=2)
+
+        assert [update(t, True) for t in (0, 1)] == [None, None]
+        level, message = update(2, True)
+        assert level == "error" and "failed 3 times in a row" in message and "slurmdbd" in message
+        assert "Bypassing sacct error" in message and "the 2 jobs followed" in message
+        assert update(30, True) is None and update(61, True) is None  # within a minute of the message
+        assert update(63, True)[1].startswith("sacct has failed 6 times")
+        assert update(64, False) == ("info", "sacct answers again: the jobs' states are read anew")
+        assert update(65, False) is None and update(66, True) is None  # a single failure says nothing
+    finally:
+        submitit_logger.removeHandler(watch)
