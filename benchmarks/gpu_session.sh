@@ -19,16 +19,10 @@
 # QuTLASS kernels, which vLLM imports only if present; the SM100 attention, DeepGEMM's
 # headers, the Rust front end) and xz-compressed. What comes back is in $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-WORK=${KLSTUDY_GPU_WORK:-/tmp/klstudy-gpu}
-CARRY=results/gpu-carry
-GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-PIECE=63000000  # with the repository, under 64 MiB a command
-OUT=${OUT:-$WORK/out}
 PY=${PYTHON:-python3}
-export PYTHONPATH="$PWD:$WORK/site" PYTHONUNBUFFERED=1
-MODEL=$WORK/SmolLM2-135M-Instruct
+source "$(dirname "$0")/gpu_env.sh"
+export PYTHONUNBUFFERED=1
+PIECE=63000000  # with the repository, under 64 MiB a command
 
 add_piece() {  # the bundle grows by one piece; everything whole in it is unpacked
     mkdir -p "$WORK/x"
@@ -50,7 +44,8 @@ if [[ "$stage" != pack && "${1:-}" =~ ^[0-9]$ ]]; then
 fi
 case "$stage" in
 pack)
-    rm -rf "$CARRY" && mkdir -p "$CARRY/bundle"
+    # its own files only: smol_gpu.sh's halves of the GGUF share the folder
+    rm -rf "$CARRY"/part? "$CARRY/bundle.sha256" "$CARRY/bundle" "$CARRY/vllm" && mkdir -p "$CARRY/bundle"
     B=$CARRY/bundle
     PYX=$PWD/.venv/bin/python
     $PYX benchmarks/gpu_wheels.py --dest "$B/wheels-early" "trl>=1.0,<2" "datasets>=3.0" "gguf==0.19.0" \
@@ -80,8 +75,8 @@ trl)
         timeout "${TRL_SECONDS:-200}" $PY benchmarks/trainer_vs_trl.py --device cuda --rounds 1 --steps 4 2>&1 | tee "$OUT/trl.txt"
     ;;
 step)
-    echo "$SHA256  $WORK/x/$GGUF" | sha256sum -c || exit 1
-    [ -d "$MODEL" ] || $PY -m trainer import-gguf "$WORK/x/$GGUF" --out "$MODEL" 2>&1 | tail -3
+    import_smollm2 "$WORK/x/$GGUF" 2>&1 | tail -3
+    [ -d "$MODEL" ] || exit 1
     [ $# -gt 0 ] || set -- --variant "hf-compiled=rollout.hf_decoding=compiled" \
         --variant "hf-compiled-bf16=rollout.hf_decoding=compiled;train.mixed_precision=bf16" \
         --variant "hf-eager-x10@10=rollout.hf_decoding=eager;train.steps=3"

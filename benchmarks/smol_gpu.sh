@@ -14,14 +14,8 @@
 #
 # What comes back is in $OUT: smol_gpu.{json,md}, each run's metrics.jsonl and the end of its log.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-WORK=${KLSTUDY_GPU_WORK:-/tmp/klstudy-gpu}
-CARRY=results/gpu-carry
-GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-OUT=${OUT:-$WORK/out}
 PY=${PYTHON:-python}
-export PYTHONPATH="$PWD:$WORK/site"
+source "$(dirname "$0")/gpu_env.sh"
 
 collect() {
     mkdir -p "$OUT/runs"
@@ -54,14 +48,13 @@ stash)
 train)
     cp "$CARRY/$GGUF.part1" "$WORK"/
     cat "$WORK/$GGUF.part0" "$WORK/$GGUF.part1" > "$WORK/$GGUF"
-    echo "$SHA256  $WORK/$GGUF" | sha256sum -c
-    $PY -m trainer import-gguf "$WORK/$GGUF" --out "$WORK/SmolLM2-135M-Instruct"
-    $PY benchmarks/smol_gpu.py --model "$WORK/SmolLM2-135M-Instruct" --out "$WORK/study" \
+    import_smollm2 "$WORK/$GGUF"
+    $PY benchmarks/smol_gpu.py --model "$MODEL" --out "$WORK/study" \
         --train-minutes "${MINUTES:-7}" "$@" || true
     collect
     ;;
 evaluate)
-    $PY benchmarks/smol_gpu.py --model "$WORK/SmolLM2-135M-Instruct" --out "$WORK/study" \
+    $PY benchmarks/smol_gpu.py --model "$MODEL" --out "$WORK/study" \
         --train-minutes "${MINUTES:-0}" --evaluate-anyway "$@" || true
     collect
     ;;
