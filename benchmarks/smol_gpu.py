@@ -162,6 +162,7 @@ def main() -> int:
     for path in args.config or [REPO / "workflow" / "config" / "smol.yaml", REPO / "benchmarks" / "smol_gpu.yaml"]:
         merged = merge(merged, yaml.safe_load(path.read_text()))
     study = load_study(merged)
+    args.out.mkdir(parents=True, exist_ok=True)  # also where nothing is trained: the summary goes there
     t0 = time.monotonic()
     if args.train_minutes > 0:
         codes = train(study, args.model, args.out, [f"model.device={args.device}", *args.set],
