@@ -208,17 +208,43 @@ def start(directory: Path, config: Path, profile: list[str], log: str, *extra: s
                             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def kill_when(process: subprocess.Popen, ready, progress, log: Path, timeout: float = 600) -> None:
-    """SIGKILL Snakemake's process group (locally its jobs too; on SLURM they go on) once it has started (or
-    followed) its jobs and then `ready(progress at that moment)`."""
+class SlurmPause:
+    """On SLURM a killed Snakemake's jobs go on, and on a loaded machine they could reach the next moment
+    to kill at (or the study's end) before the next Snakemake had even started. So they are suspended
+    (`scontrol suspend`, as an operator would) from the kill until the next Snakemake has built its DAG and
+    is about to follow them: each moment is then still ahead of the Snakemake that is to be killed at it."""
+
+    def __init__(self) -> None:
+        self.jobs: list[str] = []
+
+    def hold(self) -> None:
+        running = subprocess.run(["squeue", "--me", "-h", "-r", "-t", "RUNNING", "-o", "%i"], capture_output=True,
+                                 text=True, check=True).stdout.split()
+        self.jobs = [job for job in running if subprocess.run(["scontrol", "suspend", job]).returncode == 0]
+
+    def release(self) -> None:
+        for job in self.jobs:
+            subprocess.run(["scontrol", "resume", job], check=False)  # one that was cancelled meanwhile
+        self.jobs = []
+
+
+def kill_when(process: subprocess.Popen, ready, progress, log: Path, pause: SlurmPause | None,
+              timeout: float = 600) -> None:
+    """SIGKILL Snakemake's process group (locally its jobs too; on SLURM they go on, held by `pause` until
+    the next Snakemake selects its jobs) once it has started (or followed) its jobs and then
+    `ready(progress at that moment)`."""
     deadline, since = time.monotonic() + timeout, None
     while since is None or not ready(since):
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
         if since is None and "Select jobs to execute" in log.read_text():
             since = progress()
+            if pause is not None:
+                pause.release()
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=60)
+    if pause is not None:
+        pause.hold()
 
 
 def finish_study(directory: Path, config: Path, profile: list[str], *extra: str) -> subprocess.CompletedProcess:
@@ -273,10 +299,16 @@ def grow_and_heal(directory: Path, profile: list[str], uninterrupted: str) -> No
     def evaluating(before):  # an evaluation job has started, and some evaluations are still to do
         return any((results / "logs" / "evaluate").glob("*.log")) and evaluated() < 2 * len(RUNS)
 
-    for number, moment in enumerate((mid_bundle, some_finished, evaluating)):
-        log = f"killed-{number}.log"
-        kill_when(start(directory, config, profile, log), moment, lambda: (finished(), evaluated()), directory / log)
-        kept |= {path: seen for path, seen in snapshot(results).items() if path not in kept}
+    pause = SlurmPause() if profile == SLURM else None
+    try:
+        for number, moment in enumerate((mid_bundle, some_finished, evaluating)):
+            log = f"killed-{number}.log"
+            kill_when(start(directory, config, profile, log), moment, lambda: (finished(), evaluated()),
+                      directory / log, pause)
+            kept |= {path: seen for path, seen in snapshot(results).items() if path not in kept}
+    finally:
+        if pause is not None:
+            pause.release()
     healed = finish_study(directory, config, profile)
     assert healed.returncode == 0, healed.stderr[-5000:]
     if profile == SLURM:  # the jobs of a killed Snakemake were followed by the next, not submitted again
