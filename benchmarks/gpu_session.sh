@@ -75,8 +75,7 @@ trl)
         timeout "${TRL_SECONDS:-200}" $PY benchmarks/trainer_vs_trl.py --device cuda --rounds 1 --steps 4 2>&1 | tee "$OUT/trl.txt"
     ;;
 step)
-    import_smollm2 "$WORK/x/$GGUF" 2>&1 | tail -3
-    [ -d "$MODEL" ] || exit 1
+    import_smollm2 "$WORK/x/$GGUF" 2>&1 | tail -3 || exit 1  # pipefail: a bad checksum or import stops here
     [ $# -gt 0 ] || set -- --variant "hf-compiled=rollout.hf_decoding=compiled" \
         --variant "hf-compiled-bf16=rollout.hf_decoding=compiled;train.mixed_precision=bf16" \
         --variant "hf-eager-x10@10=rollout.hf_decoding=eager;train.steps=3"
