@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_slurm import SLURM
+from test_slurm import SLURM, squeue
 from test_workflow import LOCAL, SNAKEMAKE, write_config
 
 from sweep import jobs, rerun, status
@@ -218,8 +218,7 @@ class SlurmPause:
         self.jobs: list[str] = []
 
     def hold(self) -> None:
-        running = subprocess.run(["squeue", "--me", "-h", "-r", "-t", "RUNNING", "-o", "%i"], capture_output=True,
-                                 text=True, check=True).stdout.split()
+        running = [line.split()[0] for line in squeue() if line.split()[1] == "RUNNING"]
         self.jobs = [job for job in running if subprocess.run(["scontrol", "suspend", job]).returncode == 0]
 
     def release(self) -> None:
