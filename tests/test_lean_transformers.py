@@ -1,4 +1,4 @@
-"""trainer.model.lean_transformers: a process that imports the trainer loads transformers' models without
+"""eval.lean_transformers: a process that imports the trainer or the evaluation loads transformers' models without
 scikit-learn, can still import scikit-learn itself, and one that imported scikit-learn first gets
 transformers' generation module as transformers wrote it. Each case in a fresh interpreter, since the
 point is what a process imports."""
@@ -7,16 +7,19 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def _run(code: str) -> str:
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, check=True)
     return done.stdout.split()
 
 
-def test_a_model_class_loads_without_scikit_learn_which_stays_importable():
-    assert _run("""
+@pytest.mark.parametrize("package", ["trainer", "eval"])
+def test_a_model_class_loads_without_scikit_learn_which_stays_importable(package):
+    assert _run(f"""
         import inspect, sys
-        import trainer
+        import {package}
         from transformers import LlamaForCausalLM
         import transformers.generation.candidate_generator as generator
         print("sklearn" in sys.modules, hasattr(generator, "roc_curve"), bool(inspect.getsource(generator)))

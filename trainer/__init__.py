@@ -1,6 +1,4 @@
-"""klstudy's trainer. Importing it keeps scikit-learn out of transformers' start-up
-(trainer.model.lean_transformers): a second of CPU in every process that loads a model."""
+"""klstudy's trainer. Its first import is the evaluation package's, which keeps scikit-learn out of
+transformers' start-up in this process too (eval.lean_transformers)."""
 
-from trainer.model.lean_transformers import install as _install_lean_transformers
-
-_install_lean_transformers()
+import eval  # noqa: F401

@@ -55,6 +55,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Once per process, before transformers' generation module loads (trainer/__init__.py)."""
+    """Once per process, before transformers' generation module loads: eval/__init__.py, which the
+    trainer's package imports first."""
     if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
