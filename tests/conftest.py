@@ -48,9 +48,9 @@ def warm_model(toy_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def prepared_toy_study(tmp_path_factory):
-    """The prepare stage (build_model, prepare_data, audit) of the reduced toy studies of test_workflow.py,
-    which share their models and data, run once through Snakemake: each study starts from a copy of it
-    (test_workflow.from_prepared checks that the models and data are the same)."""
+    """The prepare stage (build_model, prepare_data, audit) of the reduced toy studies of test_workflow.py
+    and test_study_heals.py, which share their models and data, run once through Snakemake: each study
+    starts from a copy of it (test_workflow.from_prepared checks that the models and data are the same)."""
     from test_workflow import REDUCED, prepare
 
     return prepare(tmp_path_factory.mktemp("prepared"), REDUCED)

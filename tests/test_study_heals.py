@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_slurm import SLURM, squeue
-from test_workflow import LOCAL, SNAKEMAKE, write_config
+from test_workflow import LOCAL, SNAKEMAKE, from_prepared, write_config
 
 from sweep import jobs, rerun, status
 from sweep.checks import StudyError
@@ -269,16 +269,21 @@ def attempts(results: Path, run: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, prepared_toy_study):
     """The reduced study run once without interruption: its table is what every healed study must give."""
     directory = tmp_path_factory.mktemp("uninterrupted")
-    done = finish_study(directory, write_config(directory, HEALING), [*LOCAL])
+    config = write_config(directory, HEALING)
+    from_prepared(directory, prepared_toy_study)
+    done = finish_study(directory, config, [*LOCAL])
     assert done.returncode == 0, done.stderr[-4000:]
     return (directory / "results" / "tables" / "results.md").read_text()
 
 
-def grow_and_heal(directory: Path, profile: list[str], uninterrupted: str) -> None:
+def grow_and_heal(directory: Path, profile: list[str], uninterrupted: str, prepared: Path) -> None:
+    """The study from its prepare stage's outputs (conftest.prepared_toy_study) on: killed at three moments
+    and run again, grown by a seed with one point made to fail, and repaired."""
     config = write_config(directory, HEALING)
+    from_prepared(directory, prepared)
     results = directory / "results"
     runs = [results / "runs" / name for name in RUNS]
     kept: dict[str, tuple[str, int]] = {}
@@ -357,10 +362,11 @@ def grow_and_heal(directory: Path, profile: list[str], uninterrupted: str) -> No
 
 
 @pytest.mark.slow
-def test_the_study_killed_three_times_grown_and_repaired_locally(tmp_path, uninterrupted):
-    grow_and_heal(tmp_path, [*LOCAL], uninterrupted)
+def test_the_study_killed_three_times_grown_and_repaired_locally(tmp_path, uninterrupted, prepared_toy_study):
+    grow_and_heal(tmp_path, [*LOCAL], uninterrupted, prepared_toy_study)
 
 
 @pytest.mark.slow
-def test_the_study_killed_three_times_grown_and_repaired_on_slurm(slurm, tmp_path, uninterrupted):
-    grow_and_heal(tmp_path, SLURM, uninterrupted)
+def test_the_study_killed_three_times_grown_and_repaired_on_slurm(slurm, tmp_path, uninterrupted,
+                                                                  prepared_toy_study):
+    grow_and_heal(tmp_path, SLURM, uninterrupted, prepared_toy_study)
