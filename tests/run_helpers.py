@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -59,6 +60,7 @@ def trainer_in_process(*args: str) -> subprocess.CompletedProcess:
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     level, verbosity, bars = root.level, hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    environ = dict(os.environ)  # main() sets transformers' quiet variables, which later processes would inherit
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     try:
@@ -77,6 +79,8 @@ def trainer_in_process(*args: str) -> subprocess.CompletedProcess:
         root.setLevel(level)
         hf_logging.set_verbosity(verbosity)
         (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+        os.environ.clear()
+        os.environ.update(environ)
     return subprocess.CompletedProcess(["python", "-m", "trainer", *args], code, stdout.getvalue(), stderr.getvalue())
 
 

@@ -7,6 +7,7 @@ import argparse
 import csv
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -425,6 +426,7 @@ def _plan_configs(plan_json: str) -> dict[Path, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
     try:
         plugins.load()  # before any registry is read: a plugin's names are choices from the start
     except plugins.PluginError as error:
@@ -443,7 +445,6 @@ def main(argv: list[str] | None = None) -> int:
     _train_runs_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    _quiet_libraries()
     from trainer.run import TrainingError
 
     try:
@@ -457,13 +458,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _quiet_libraries() -> None:
-    """transformers' own progress bars and advisories would drown the run's output."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    """transformers' own progress bars and advisories would drown the run's output. Said through the
+    variables transformers and the hub client read as they load, so that a command that loads no model
+    (the audit, export-data) does not load transformers for this: a second and a half of its start."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:  # loaded before main() (a caller in the same process): told directly
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
 
 
 if __name__ == "__main__":
