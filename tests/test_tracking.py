@@ -214,8 +214,10 @@ def free_port():
 
 
 def start_server(tmp_path, port, *extra, env=None):
-    """A real server on 127.0.0.1; its access log (one line per request) in tmp_path/server.log."""
+    """A real server on 127.0.0.1, as docs/mlflow_ui.md starts one (without MLflow's job runner, whose 8
+    processes a study never uses); its access log (one line per request) in tmp_path/server.log."""
     db, artifacts = tmp_path / "server.db", tmp_path / "artifacts"
+    env = {**(os.environ if env is None else env), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     process = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", str(artifacts), *extra],
@@ -236,7 +238,7 @@ def stop_server(process):
     os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout=30)
-    except subprocess.TimeoutExpired:  # its job consumers can be slow to go on a busy machine
+    except subprocess.TimeoutExpired:  # a busy machine
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
 
