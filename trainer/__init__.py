@@ -1,4 +1,6 @@
-"""klstudy's trainer. Its first import is the evaluation package's, which keeps scikit-learn out of
-transformers' start-up in this process too (eval.lean_transformers)."""
+"""klstudy's trainer. Importing it keeps scikit-learn out of transformers' start-up in this process
+(eval.lean_transformers): about a second of CPU in every process that loads a model."""
 
-import eval  # noqa: F401
+from eval.lean_transformers import install as _install_lean_transformers
+
+_install_lean_transformers()
