@@ -161,7 +161,7 @@ def _key_values(items: list[str], what: str) -> dict[str, object]:
 
 
 def _toy_model_parser(sub: argparse._SubParsersAction) -> None:
-    from trainer.model.models import ToyModelSpec
+    from trainer.model.toy_spec import ToyModelSpec
 
     p = sub.add_parser("toy-model", help="build the tiny character-level Llama (random weights)",
                        description="Writes a character-level tokenizer and a small Llama to --out.")

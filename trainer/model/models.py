@@ -11,13 +11,14 @@ import logging
 import os
 import shutil
 import string
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
 from trainer.model import model_source
+from trainer.model.toy_spec import ToyModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +34,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelNotFoundError(ValueError):
     """A model that is neither a local directory nor loadable from the hub (or its cache)."""
-
-
-@dataclass(frozen=True)
-class ToyModelSpec:
-    """Sizes of the toy Llama. Two heads of 32: vLLM's CPU attention has no kernel for head size 16."""
-
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 2
-    intermediate_size: int = 256
-    max_positions: int = 256
-    seed: int = 0
-    tie_embeddings: bool = True     # the output layer is the input embedding (as in Qwen3-4B, Llama-3.2)
-    num_kv_heads: int = 0           # grouped-query attention's key/value heads (0: num_heads)
-    vocab_size: int = 0             # > the characters' vocabulary: pad it with unused tokens, as real models are
 
 
 # A random model of a real model's shape: Qwen2.5-0.5B's sizes on the Llama architecture (494 M
