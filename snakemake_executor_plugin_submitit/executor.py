@@ -52,6 +52,9 @@ class Executor(RemoteExecutor):
         self.settings = settings
         self.logger.info(f"submitit: job scripts and logs in {self.folder}")
         self.adoptable = adopt.still_running(self.folder.parent)  # an earlier run's jobs that SLURM still runs
+        # Every job this run submitted or followed and has not seen end, for Ctrl-C: Snakemake takes its active
+        # jobs out of its own list while a status check runs, so a Ctrl-C then would cancel none of them.
+        self.unfinished: dict[str, submitit.SlurmJob] = {}
         self.sacct = SacctWatch.attach()  # submitit only logs sacct's failures at its own logger
 
     # --- submission ----------------------------------------------------------------------------
@@ -83,6 +86,7 @@ class Executor(RemoteExecutor):
         self.logger.info(f"SLURM job {job_id} ({job.name}) of an earlier run of this study still runs: "
                          "followed, not submitted again")
         adopt.record(self.folder, [(job_id, folder, adopt.key(job))])
+        self.unfinished[job_id] = handle
         self.report_job_submission(SubmittedJobInfo(job, external_jobid=job_id, aux={"submitit": handle}))
         return True
 
@@ -110,6 +114,7 @@ class Executor(RemoteExecutor):
         pairs = list(zip(jobs, submitted, strict=True))
         adopt.record(self.folder, [(handle.job_id, self.folder, adopt.key(job)) for job, handle in pairs])
         for job, handle in pairs:
+            self.unfinished[handle.job_id] = handle
             self.report_job_submission(SubmittedJobInfo(job, external_jobid=handle.job_id, aux={"submitit": handle}))
 
     # --- status ----------------------------------------------------------------------------------
@@ -126,6 +131,8 @@ class Executor(RemoteExecutor):
         for info in active_jobs:
             handle: submitit.SlurmJob = info.aux["submitit"]
             state = (handle.get_info(mode="cache").get("State") or "UNKNOWN").split()[0].upper()
+            if state in SUCCESS | FAILURE:
+                self.unfinished.pop(handle.job_id, None)
             if state in SUCCESS:
                 self.report_job_success(info)
             elif state in FAILURE:
@@ -144,6 +151,8 @@ class Executor(RemoteExecutor):
     # --- cancel ------------------------------------------------------------------------------------
 
     def cancel_jobs(self, active_jobs: List[SubmittedJobInfo]) -> None:
-        """Ctrl-C: scancel every job of this run that is still queued or running."""
-        for info in active_jobs:
-            info.aux["submitit"].cancel(check=False)
+        """Ctrl-C: scancel every job of this run that is still queued or running: those Snakemake lists as
+        active and those it has taken out of its list for a status check (self.unfinished)."""
+        handles = {**self.unfinished, **{info.aux["submitit"].job_id: info.aux["submitit"] for info in active_jobs}}
+        for handle in handles.values():
+            handle.cancel(check=False)

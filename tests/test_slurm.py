@@ -183,6 +183,31 @@ def test_interrupted_snakemake_leaves_no_job_in_squeue(slurm, tmp_path):
 
 
 @pytest.mark.slow
+def test_ctrl_c_during_a_status_check_still_cancels_every_job(slurm, tmp_path):
+    """Snakemake takes its active jobs out of its list while a status check runs
+    (snakemake_interface_executor_plugins' RemoteExecutor._wait_for_jobs), so a Ctrl-C at that moment
+    hands cancel_jobs an empty list: CI once saw the test above leave two training jobs running so. The
+    plugin cancels every job it submitted and has not seen end, whatever list it is handed."""
+    import submitit
+
+    from snakemake_executor_plugin_submitit.executor import Executor
+
+    submitter = submitit.SlurmExecutor(folder=tmp_path)
+    submitter.update_parameters(time=5, cpus_per_task=1, job_name="smk-status-check")
+    job = submitter.submit(time.sleep, 300)
+    plugin = Executor.__new__(Executor)  # only its record of this run's jobs: the rest needs a workflow
+    plugin.unfinished = {job.job_id: job}
+    try:
+        Executor.cancel_jobs(plugin, [])  # Snakemake's list, emptied by a status check
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(line.startswith(f"{job.job_id} ") for line in squeue()):
+            time.sleep(0.5)
+        assert not any(line.startswith(f"{job.job_id} ") for line in squeue())
+    finally:  # the queue empty for the tests after this one, whatever happened
+        job.cancel(check=False)
+
+
+@pytest.mark.slow
 def test_a_failing_job_names_its_log(slurm, tmp_path):
     config = json.loads(json.dumps(SMALL))
     # a directory the study check accepts (it holds a config.json), but no tokenizer: the prepare job fails
