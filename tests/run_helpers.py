@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -82,6 +83,14 @@ def trainer_in_process(*args: str) -> subprocess.CompletedProcess:
         os.environ.clear()
         os.environ.update(environ)
     return subprocess.CompletedProcess(["python", "-m", "trainer", *args], code, stdout.getvalue(), stderr.getvalue())
+
+
+def fresh_python_prints(code: str) -> list[str]:
+    """The words `code` prints, run in a fresh interpreter: for what a process imports, which this one
+    has long since done. A failing snippet fails the test with its stderr."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()
 
 
 def start_cli(out, model, base=TOY_RUN, **extra):

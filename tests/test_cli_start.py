@@ -2,32 +2,25 @@
 help and usage errors without torch (trainer.model.toy_spec), and quieting transformers without
 loading it (trainer.__main__._quiet_libraries), so that the audit, which loads no model, never does."""
 
-import subprocess
-import sys
-import textwrap
-
-
-def _run(code: str) -> list[str]:
-    """The words of the last line the code prints (the help goes to stdout before it)."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
-    return done.stdout.splitlines()[-1].split() if done.stdout else [done.stderr[-2000:]]
+from run_helpers import fresh_python_prints
 
 
 def test_help_and_usage_errors_answer_without_loading_torch():
-    assert _run("""
-        import sys
+    assert fresh_python_prints("""
+        import contextlib, io, sys
         from trainer.__main__ import main
         for argv in (["--help"], ["toy-model", "--no-such-option"]):
-            try:
-                main(argv)
-            except SystemExit as exit:
-                print(exit.code, file=sys.stderr)
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                try:
+                    main(argv)
+                except SystemExit:  # argparse's way out of both
+                    pass
         print("torch" in sys.modules)
     """) == ["False"]
 
 
 def test_quieting_transformers_does_not_load_it_and_keeps_a_users_verbosity():
-    assert _run("""
+    assert fresh_python_prints("""
         import os, sys
         os.environ["TRANSFORMERS_VERBOSITY"] = "info"
         from trainer.__main__ import _quiet_libraries

@@ -3,21 +3,13 @@ scikit-learn, can still import scikit-learn itself, and one that imported scikit
 transformers' generation module as transformers wrote it. Each case in a fresh interpreter, since the
 point is what a process imports."""
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
-
-
-def _run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, check=True)
-    return done.stdout.split()
+from run_helpers import fresh_python_prints
 
 
 @pytest.mark.parametrize("package", ["trainer", "eval"])
 def test_a_model_class_loads_without_scikit_learn_which_stays_importable(package):
-    assert _run(f"""
+    assert fresh_python_prints(f"""
         import inspect, sys
         import {package}
         from transformers import LlamaForCausalLM
@@ -29,7 +21,7 @@ def test_a_model_class_loads_without_scikit_learn_which_stays_importable(package
 
 
 def test_a_process_that_imported_scikit_learn_first_loads_transformers_unchanged():
-    assert _run("""
+    assert fresh_python_prints("""
         import sklearn, trainer
         import transformers.generation.candidate_generator as generator
         print(hasattr(generator, "roc_curve"))
