@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="hf", help="hf | vllm (default hf)")
     p.add_argument("--samples", type=int, default=1, help="samples per problem: pass@1 is their mean (default 1)")
     p.add_argument("--out", type=Path, required=True, action="append",
-                   help="directory for metrics.json and samples.jsonl (one per --model)")
+                   help="directory for metrics.json and samples.jsonl (one per --model); one that already "
+                        "holds a metrics.json is a finished evaluation, left as it is")
     p.add_argument("--limit", type=int, help="first N problems of each task")
     p.add_argument("--data", action="append", default=[], metavar="TASK=PATH",
                    help="data of a task: .jsonl/.json/.parquet file or hub data set[:subset] (repeatable)")
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, action="append", help="(default 0; one for all models, or one per --model)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from eval.harness import EvalSettings, evaluate
+    from eval.harness import METRICS_FILE, EvalSettings, evaluate
     from eval.suites import expand
 
     seeds = args.seed or [0]
@@ -62,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for model, out, seed in zip(args.model, args.out, seeds * len(args.model) if len(seeds) == 1 else seeds,
                                 strict=True):
+        if (out / METRICS_FILE).is_file():  # a finished evaluation is never rewritten (a requeued job's)
+            log.info("%s already holds a finished evaluation (%s): nothing to do; delete it to evaluate again",
+                     out, METRICS_FILE)
+            print(json.dumps({"out": str(out)}))
+            continue
         try:
             settings = EvalSettings(
                 model=model, tasks=tuple(expand(args.suite)), backend=args.backend, samples=args.samples,

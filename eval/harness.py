@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 BACKENDS = ("hf", "vllm")
+METRICS_FILE = "metrics.json"  # written last: an out directory with it holds a finished evaluation
 FILTER = "k_samples"  # the name lm-eval appends to metric keys ("pass_at_1,k_samples")
 
 
@@ -194,7 +195,7 @@ def evaluate(settings: EvalSettings, out_dir: Path) -> dict[str, Any]:
             }, default=str))
     _write_atomic(out_dir / "samples.jsonl", "".join(line + "\n" for line in lines))
     # last: an evaluation with its metrics.json is finished, and a study never runs it again
-    _write_atomic(out_dir / "metrics.json", json.dumps(metrics, indent=2, default=str) + "\n")
+    _write_atomic(out_dir / METRICS_FILE, json.dumps(metrics, indent=2, default=str) + "\n")
     log.info("evaluation written to %s", out_dir)
     return metrics
 

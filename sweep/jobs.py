@@ -18,10 +18,16 @@ pending members, so that
 - a SLURM job that outlived the Snakemake that submitted it is recognized by the next one, which
   follows it rather than submitting it again (the executor knows a job by its rule's name).
 
-A bundle's job covers the members still pending when it is planned or started. Pending points that
-no recorded bundle holds (new seeds, a new beta, a point discarded for a rerun) form new bundles, in
-grid order. Only the main Snakemake process records and forgets bundles (never in a dry run) and
-writes `.done` files itself.
+A bundle's job covers the members still pending when the main process plans; the record says which,
+and a job's own process reads them from it. Pending points that no recorded bundle holds (new seeds, a
+new beta, a point discarded for a rerun) form new bundles, in grid order. Only the main Snakemake
+process records and forgets bundles (never in a dry run) and writes `.done` files itself.
+
+A job's own process must find the very job it was submitted for even when that job's work is already
+finished: SLURM requeues a job that is signalled (time limit, preemption) as its run completes, and
+the requeued job reads the Snakefile again. So a job's process defines a rule for every run and
+evaluation, and each bundle with the members recorded as pending when it was planned; the trainer and
+the evaluation leave a finished one as it is, and the job ends as a success.
 """
 
 from __future__ import annotations
@@ -80,7 +86,8 @@ class Bundle:
 
 @dataclass(frozen=True)
 class Work:
-    """What the study still has to do: pending runs and evaluations, in grid order, and their jobs."""
+    """What the study still has to do, and its jobs: for the main process, the pending runs and
+    evaluations, in grid order; for a job's own process, every run and evaluation a job may be for."""
 
     root: Path                   # <results>/.jobs
     runs: list[str]
@@ -123,11 +130,12 @@ def plan(study: Study, record: bool) -> Work:
 
 
 def recorded(study: Study) -> Work:
-    """The main process's plan as recorded, for a job started on a compute node: every recorded bundle,
-    with the members still pending now, and nothing new."""
-    runs, evals, train_group, eval_group = _pending(study)
-    return Work(study.results / JOBS, runs, evals, _recorded(study, "train", runs, train_group),
-                _recorded(study, "evaluate", [t.key for t in evals], eval_group))
+    """The main process's plan as recorded, for a job's own Snakemake process (on a compute node, perhaps
+    requeued after its work finished): every run and evaluation, and every recorded bundle with the
+    members pending when it was planned. Nothing new is planned."""
+    runs = [run.run_id for run in study.runs]
+    return Work(study.results / JOBS, runs, evaluations(study), _recorded(study, "train"),
+                _recorded(study, "evaluate"))
 
 
 def _mirror(study: Study, runs: set[str], evals: set[str], forget_pending: bool) -> None:
@@ -171,24 +179,27 @@ def ledger(study: Study, rule: str) -> Path:
     return study.results / JOBS / rule
 
 
-def _read(path: Path) -> list[str] | None:
+def _read(path: Path) -> tuple[list[str], list[str]] | None:
+    """A recorded bundle's members and those pending when it was last planned (a record without them,
+    from an older klstudy: all of its members)."""
     try:
-        members = json.loads(path.read_text())["members"]
-    except (OSError, ValueError, KeyError, TypeError):
+        record = json.loads(path.read_text())
+        members = record["members"]
+        pending = record.get("pending", members)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # torn by a hard kill: its members are planned again
-    return members if isinstance(members, list) and all(isinstance(m, str) for m in members) else None
+    if not all(isinstance(items, list) and all(isinstance(m, str) for m in items) for items in (members, pending)):
+        return None
+    return members, pending
 
 
-def _recorded(study: Study, rule: str, pending: list[str], group_of: Callable[[str], Hashable]) -> list[Bundle]:
-    found, directory = [], ledger(study, rule)
-    if study.bundle[rule] == 1:
-        return found
-    position = {item: i for i, item in enumerate(pending)}
-    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
-        members = _read(path)
-        if members and (left := tuple(sorted((m for m in members if m in position), key=position.get))):
-            found.append(Bundle(rule, path.stem, tuple(members), left))
-    return _in_order(found, pending, group_of)
+def _recorded(study: Study, rule: str) -> list[Bundle]:
+    """Every recorded bundle, as the main process last planned it."""
+    directory = ledger(study, rule)
+    if study.bundle[rule] == 1 or not directory.is_dir():
+        return []
+    found = [(path.stem, _read(path)) for path in sorted(directory.glob("*.json"))]
+    return [Bundle(rule, key, tuple(read[0]), tuple(read[1])) for key, read in found if read and read[1]]
 
 
 def _bundles(study: Study, rule: str, pending: list[str], group_of: Callable[[str], Hashable],
@@ -205,7 +216,7 @@ def _bundles(study: Study, rule: str, pending: list[str], group_of: Callable[[st
     position = {item: i for i, item in enumerate(pending)}
     kept, taken, stale = [], set(), []
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
-        members = _read(path) or []
+        members = (_read(path) or ([], []))[0]
         left = [m for m in members if m in position and m not in taken]
         if left and len(left) <= size and len({group_of(m) for m in left}) == 1:
             kept.append(Bundle(rule, path.stem, tuple(members), tuple(sorted(left, key=position.get))))
@@ -221,8 +232,8 @@ def _bundles(study: Study, rule: str, pending: list[str], group_of: Callable[[st
     if record:
         for path in stale:
             path.unlink(missing_ok=True)
-        for bundle in fresh:
-            _write(directory / f"{bundle.key}.json", bundle.members)
+        for bundle in kept + fresh:  # a job's own process reads its members pending now from here
+            _write(directory / f"{bundle.key}.json", bundle)
     return _in_order(kept + fresh, pending, group_of)
 
 
@@ -237,10 +248,16 @@ def _key(rule: str, members: tuple[str, ...]) -> str:
     return hashlib.sha256(json.dumps([rule, *members]).encode()).hexdigest()[:10]
 
 
-def _write(path: Path, members: tuple[str, ...]) -> None:
+def _write(path: Path, bundle: Bundle) -> None:
+    text = json.dumps({"members": list(bundle.members), "pending": list(bundle.pending)}) + "\n"
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({"members": list(members)}) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

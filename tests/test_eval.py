@@ -93,12 +93,17 @@ def test_greedy_and_chat_template_options(warm_model, tmp_path):
 
 
 def test_several_models_in_one_process_score_as_they_would_alone(warm_model, tmp_path):
-    """What a study's bundled evaluation job does: each --model with its own --out and --seed."""
+    """What a study's bundled evaluation job does: each --model with its own --out and --seed. Run again (a
+    requeued job), it leaves a finished evaluation as it is."""
     common = ["--suite", "arith", "--samples", "2", "--limit", "6", "--data", f"arith={DATA / 'arith.jsonl'}"]
     both = eval_cli("--model", str(warm_model), "--out", str(tmp_path / "a"), "--seed", "3",
                     "--model", str(warm_model), "--out", str(tmp_path / "b"), "--seed", "4", *common)
-    alone = eval_cli("--model", str(warm_model), "--out", str(tmp_path / "b-alone"), "--seed", "4", *common)
+    finished = (tmp_path / "a" / "metrics.json").stat().st_mtime_ns
+    alone = eval_cli("--model", str(warm_model), "--out", str(tmp_path / "a"), "--seed", "3",
+                     "--model", str(warm_model), "--out", str(tmp_path / "b-alone"), "--seed", "4", *common)
     assert both.returncode == 0 and alone.returncode == 0, both.stderr + alone.stderr
+    assert f"{tmp_path / 'a'} already holds a finished evaluation" in alone.stderr
+    assert (tmp_path / "a" / "metrics.json").stat().st_mtime_ns == finished
 
     def responses(name):
         return [json.loads(line)["responses"] for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]

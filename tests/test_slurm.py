@@ -140,16 +140,16 @@ def test_a_lease_held_in_a_slurm_job_is_live_while_slurm_runs_the_job(slurm):
 def test_a_training_job_past_its_time_limit_is_requeued_and_resumes(slurm, tmp_path):
     config = json.loads(json.dumps(SMALL))
     config["grid"]["baseline"] = False
-    # Jobs limited to 2 minutes, warned 60 s before the limit: slurmctld checks limits every 30 s, so each
-    # attempt runs 60-90 s, start-up included. 2000 steps are 130 s of training on an idle 2-core machine
-    # (0.065 s a step; 600 steps once finished inside one attempt) and about 340 s on a busy one: the run
-    # needs at least one requeue, at most about five.
+    # Jobs limited to 2 minutes, warned 90 s before the limit: slurmctld checks limits every 30 s, so each
+    # attempt runs 30-60 s, start-up included. 2000 steps are about 70 s of training on an idle 2-core
+    # machine (0.035 s a step) and a few times that on a busy one: the run needs at least one requeue, at
+    # most about ten.
     steps = 2000
     config["run"]["train"].update(steps=steps, prompts_per_step=16, group_size=4)
     config["run"]["checkpoint"]["every"] = 5
     config["resources"]["train"] = {"runtime": 2}
     target = f"results/.jobs/train/{SMALL_RUNS[0]}.done"  # training only: its requeues are the point
-    result = snakemake(tmp_path, write_config(tmp_path, config), *SLURM, "--submitit-signal-delay", "60",
+    result = snakemake(tmp_path, write_config(tmp_path, config), *SLURM, "--submitit-signal-delay", "90",
                        "--submitit-max-timeouts", "20", target, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     run = tmp_path / "results" / "runs" / SMALL_RUNS[0]
@@ -158,6 +158,42 @@ def test_a_training_job_past_its_time_limit_is_requeued_and_resumes(slurm, tmp_p
     assert "resumed from checkpoint" in log
     submitit_logs = "".join(p.read_text() for p in (tmp_path / ".snakemake" / "submitit").rglob("*_log.err"))
     assert "this job is timed-out" in submitit_logs and "DUE TO JOB REQUEUE" in submitit_logs
+
+
+@pytest.mark.slow
+def test_a_job_signalled_as_its_run_completes_is_requeued_and_ends_as_a_success(slurm, tmp_path):
+    """SLURM's warning (here sent by hand, as SLURM sends it: USR2 to the job's processes) reaches the job
+    during its run's last step or after it: the run completes, the job is requeued all the same, and the
+    requeued job's own Snakemake must still find the job it was submitted for. CI once saw it find no such
+    job (a finished run was in no rule), so the study failed though its run had completed."""
+    config = json.loads(json.dumps(SMALL))
+    config["grid"]["baseline"] = False
+    steps = 30
+    config["run"]["train"].update(steps=steps, prompts_per_step=64, group_size=8)  # about 0.2 s a step
+    run = tmp_path / "results" / "runs" / SMALL_RUNS[0]
+    target = f"results/.jobs/train/{SMALL_RUNS[0]}.done"
+    log = (tmp_path / "snakemake.log").open("w")
+    process = subprocess.Popen([*SNAKEMAKE, *SLURM, target, "--directory", str(tmp_path), "--configfile",
+                                str(write_config(tmp_path, config))], stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and process.poll() is None:
+            metrics = run / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps - 1:  # the last step runs
+                [job] = [line.split()[0] for line in squeue() if "smk-train" in line]
+                subprocess.run(["scancel", "--signal=USR2", job], check=True)
+                break
+            time.sleep(0.05)
+        assert process.wait(timeout=600) == 0, (tmp_path / "snakemake.log").read_text()[-4000:]
+    finally:
+        log.close()
+        if process.poll() is None:
+            process.kill()
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(steps))
+    attempt = (tmp_path / "results" / "logs" / "train" / f"{SMALL_RUNS[0]}.log").read_text()
+    assert "is already complete; nothing to do" in attempt  # the requeued job's trainer
+    submitit_logs = "".join(p.read_text() for p in (tmp_path / ".snakemake" / "submitit").rglob("*_log.err"))
+    assert "Caught signal SIGUSR2" in submitit_logs and "DUE TO JOB REQUEUE" in submitit_logs
 
 
 @pytest.mark.slow

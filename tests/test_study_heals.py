@@ -79,8 +79,15 @@ def test_only_pending_work_is_planned_and_a_bundle_keeps_its_name_while_it_has_w
     assert [(b.name, b.pending) for b in again.train_bundles] == [
         (first.train_bundles[0].name, (RUNS[1],)), (first.train_bundles[1].name, tuple(RUNS[2:]))]
     # a job started on a compute node reads the same jobs back, whatever it plans itself
-    assert jobs.recorded(study).train_bundles == again.train_bundles
-    assert jobs.recorded(study).evaluate_bundles == again.evaluate_bundles
+    assert set(jobs.recorded(study).train_bundles) == set(again.train_bundles)
+    assert set(jobs.recorded(study).evaluate_bundles) == set(again.evaluate_bundles)
+    # and still finds its own job once that job's work is finished: SLURM requeued it as its run completed
+    finish(tmp_path, RUNS[1])
+    in_job = jobs.recorded(study)
+    assert set(in_job.train_bundles) == set(again.train_bundles) and RUNS[1] in in_job.runs
+    assert {t.key for t in in_job.evaluations} == {t.key for t in jobs.evaluations(study)}
+    assert [b.pending for b in jobs.plan(study, record=True).train_bundles] == [tuple(RUNS[2:])]
+    assert [b.pending for b in jobs.recorded(study).train_bundles] == [tuple(RUNS[2:])]  # the next plan's
 
     for run in RUNS:
         finish(tmp_path, run)

@@ -319,6 +319,30 @@ def test_train_runs_trains_a_plan_in_one_process_as_single_runs_would(warm_model
     assert (tmp_path / "f" / COMPLETE).exists() and "1 of 2 runs failed" in partly.stderr
 
 
+def test_a_sigterm_in_a_runs_last_step_completes_it_and_train_runs_starts_no_other(warm_model, tmp_path,
+                                                                                     monkeypatch):
+    """SLURM's warning can reach a bundled job in a run's last step: that run completes (there is nothing
+    left to checkpoint), and no other run starts in the grace period before the job is requeued. (A SLURM
+    requeue check found the next run trained to its end inside that period.)"""
+    from trainer.run import loop
+
+    steps, real_step = 2, loop.run_step
+
+    def signalled_in_the_last_step(run):
+        line = real_step(run)
+        if run.state.step == steps:
+            os.kill(os.getpid(), signal.SIGTERM)  # lands in the handler of train-runs' one SigtermFlag
+        return line
+
+    monkeypatch.setattr(loop, "run_step", signalled_in_the_last_step)
+    short = {"train.steps": steps, "checkpoint.every": 1}
+    plan = {str(tmp_path / "a"): overrides(warm_model, **short), str(tmp_path / "b"): overrides(warm_model, **short)}
+    result = trainer_in_process("train-runs", "--plan", json.dumps(plan))
+    assert result.returncode == EXIT_PREEMPTED, result.stderr
+    assert (tmp_path / "a" / COMPLETE).exists() and not (tmp_path / "b").exists()
+    assert f"{tmp_path / 'b'} not started: SIGTERM came before it" in result.stderr
+
+
 def test_a_model_with_dropout_trains_without_it(warm_model, tmp_path):
     """Llama with attention_dropout 0.1 (applied in train mode, inside the attention kernel): at step 0
     the policy is its reference, and every pass of it gives the reference's log-probs exactly."""

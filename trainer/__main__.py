@@ -365,8 +365,9 @@ def _train_runs_parser(sub: argparse._SubParsersAction) -> None:
                        "(so interpreter start, imports and loading are paid once: studies bundle their small runs "
                        "this way). Every config is validated before the first run starts; a finished run is skipped "
                        "without being opened; a run that fails does not stop the others (its FAILED file says why, "
-                       "and the exit status is then 1); SIGTERM checkpoints the current run and "
-                       "exits with 75, and the same command resumes.")
+                       "and the exit status is then 1); SIGTERM checkpoints the current run (or lets it "
+                       "complete, in its last step) and exits with 75, starting no other run; the same command "
+                       "resumes.")
     runs = p.add_mutually_exclusive_group(required=True)
     runs.add_argument("--run", nargs=2, action="append", type=Path, metavar=("CONFIG", "DIR"),
                       help="a run: its config YAML and its run directory (repeat for each run)")
@@ -375,18 +376,19 @@ def _train_runs_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_train_runs(args: argparse.Namespace) -> int:
-    from trainer.run import EXIT_PREEMPTED, TrainingError, train
+    from trainer.run import EXIT_PREEMPTED, SigtermFlag, TrainingError, train
 
     configs = _run_configs(args.run) if args.run else _plan_configs(args.plan)
     failed = []
-    for number, (out, config) in enumerate(configs.items(), start=1):
-        log.info("run %d of %d: %s", number, len(configs), out)
-        try:
-            if train(config, out) == EXIT_PREEMPTED:
-                return EXIT_PREEMPTED
-        except Exception as error:  # noqa: BLE001 - one run's failure (recorded in its FAILED) stops no other
-            log.error("%s: %s", out, error if isinstance(error, (ValueError, TrainingError)) else repr(error))
-            failed.append(out)
+    with SigtermFlag() as sigterm:  # one for every run: after a SIGTERM, no run starts
+        for number, (out, config) in enumerate(configs.items(), start=1):
+            log.info("run %d of %d: %s", number, len(configs), out)
+            try:
+                if train(config, out, sigterm) == EXIT_PREEMPTED:
+                    return EXIT_PREEMPTED
+            except Exception as error:  # noqa: BLE001 - one run's failure (recorded in its FAILED) stops no other
+                log.error("%s: %s", out, error if isinstance(error, (ValueError, TrainingError)) else repr(error))
+                failed.append(out)
     if failed:
         log.error("%d of %d runs failed: %s (each run's FAILED says why; `python -m sweep status` lists them)",
                   len(failed), len(configs), ", ".join(map(str, failed)))

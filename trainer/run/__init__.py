@@ -4,7 +4,8 @@ directory (directory.py). The names other code uses are here."""
 
 from trainer.run.directory import DirectoryTaken
 from trainer.run.errors import EXIT_PREEMPTED, TIMING_KEYS, Preempted, TrainingError
-from trainer.run.loop import Run, train
+from trainer.run.loop import Run, SigtermFlag, train
 from trainer.run_files import COMPLETE
 
-__all__ = ["COMPLETE", "EXIT_PREEMPTED", "TIMING_KEYS", "DirectoryTaken", "Preempted", "Run", "TrainingError", "train"]
+__all__ = ["COMPLETE", "EXIT_PREEMPTED", "TIMING_KEYS", "DirectoryTaken", "Preempted", "Run", "SigtermFlag",
+           "TrainingError", "train"]

@@ -14,6 +14,7 @@ loss part is normalised by the whole minibatch's rows and tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -44,14 +45,15 @@ from trainer.tasks import Task, make_task
 log = logging.getLogger(__name__)
 
 
-class _SigtermFlag:
-    """Records SIGTERM instead of dying, so the loop can checkpoint first."""
+class SigtermFlag:
+    """Records SIGTERM instead of dying, so the loop can checkpoint first. `train-runs` holds one over all
+    its runs: a SIGTERM during one run (even in its last step, which then completes) starts no other."""
 
     def __init__(self) -> None:
         self.raised = False
         self._previous: Any = None
 
-    def __enter__(self) -> "_SigtermFlag":
+    def __enter__(self) -> "SigtermFlag":
         self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self
 
@@ -151,11 +153,11 @@ class Run:
         every, step = self.config.measure.every, self.state.step
         return self.probe is not None and (step == self.config.train.steps or (every and step % every == 0))
 
-    def _stopping(self, sigterm: _SigtermFlag) -> bool:
+    def _stopping(self, sigterm: SigtermFlag) -> bool:
         """Whether SIGTERM reached any process: all of them must checkpoint and stop together."""
         return any(self.world.gather(sigterm.raised))
 
-    def train(self, sigterm: _SigtermFlag) -> None:
+    def train(self, sigterm: SigtermFlag) -> None:
         c, main, s = self.config, self.world.main, self.state
         state.restore(self)
         if self.probe is not None and s.step < c.train.steps:
@@ -201,8 +203,9 @@ class Run:
         self.world.barrier()
 
 
-def train(config: RunConfig, out_dir: Path) -> int:
-    """Run, resume or skip (if complete) the run in `out_dir`; the process exit status.
+def train(config: RunConfig, out_dir: Path, sigterm: SigtermFlag | None = None) -> int:
+    """Run, resume or skip (if complete) the run in `out_dir`; the process exit status. `sigterm`: the
+    flag of a process that trains several runs (else the run holds its own).
 
     A finished run is left exactly as it is: nothing in it is opened for writing. A run that fails
     records why in FAILED (trainer.run_files), with its log, `train.log`, which every attempt appends
@@ -211,10 +214,14 @@ def train(config: RunConfig, out_dir: Path) -> int:
     if directory.is_complete(out_dir):
         log.info("%s is already complete; nothing to do", out_dir)
         return 0
-    with _SigtermFlag() as sigterm:  # from the start: a SIGTERM during loading also ends in a clean exit
+    # from the start: a SIGTERM during loading also ends in a clean exit
+    with contextlib.nullcontext(sigterm) if sigterm is not None else SigtermFlag() as sigterm:
         world = World.from_environment(config.model.device)
         run, trained = None, False
         try:
+            if any(world.gather(sigterm.raised)):  # during an earlier run of this process: this one waits
+                log.warning("%s not started: SIGTERM came before it; exiting with %d", out_dir, EXIT_PREEMPTED)
+                return EXIT_PREEMPTED
             with directory.run_log(out_dir, world.main):
                 try:
                     run = Run(config, out_dir, world)

@@ -20,7 +20,9 @@ def _eval_args(run):
 
 EVAL_ARGS = {run.run_id: _eval_args(run) for run in STUDY.runs}
 EVAL_DATA = [STUDY.data_file(name) for name in STUDY.data if name in STUDY.evaluate["data"].values()]
-PENDING_EVALS = {target.key: target for target in WORK.evaluations}
+# The evaluations a job may be for: the pending ones in the main process, every one in a job's own
+# (a requeued job may find its evaluation finished: sweep.jobs).
+JOB_EVALS = {target.key: target for target in WORK.evaluations}
 
 
 def evaluated_model(target):
@@ -30,7 +32,7 @@ def evaluated_model(target):
 
 
 def run_of_evaluation(wildcards):
-    return PENDING_EVALS[wildcards.evaluation].run
+    return JOB_EVALS[wildcards.evaluation].run
 
 
 def all_evaluations():
@@ -43,18 +45,18 @@ if STUDY.bundle["evaluate"] == 1:
     rule evaluate:
         """One evaluation, named by its directory under results/eval (<run>/<suite>, <run>/step_<N>/<suite>)."""
         input:
-            trained=lambda wc: WORK.done("train", PENDING_EVALS[wc.evaluation].run),
+            trained=lambda wc: WORK.done("train", JOB_EVALS[wc.evaluation].run),
             data=EVAL_DATA,
         output:
             WORK.done("evaluate", "{evaluation}"),
         wildcard_constraints:
-            evaluation=jobs.only(list(PENDING_EVALS)),  # a finished evaluation is in no job
+            evaluation=jobs.only(list(JOB_EVALS)),  # the main process submits no finished evaluation
         params:
-            model=lambda wc: evaluated_model(PENDING_EVALS[wc.evaluation]),
+            model=lambda wc: evaluated_model(JOB_EVALS[wc.evaluation]),
             out=f"{RESULTS}/eval/{{evaluation}}",  # a string: Snakemake fills wildcards into strings only
-            suite=lambda wc: PENDING_EVALS[wc.evaluation].suite,
-            args=lambda wc: EVAL_ARGS[PENDING_EVALS[wc.evaluation].run]
-            + [f"--seed={STUDY.run(PENDING_EVALS[wc.evaluation].run).seed}"],
+            suite=lambda wc: JOB_EVALS[wc.evaluation].suite,
+            args=lambda wc: EVAL_ARGS[JOB_EVALS[wc.evaluation].run]
+            + [f"--seed={STUDY.run(JOB_EVALS[wc.evaluation].run).seed}"],
         log:
             LOGS / "evaluate" / "{evaluation}.log",
         threads: rule_threads("evaluate", per_model=True, run_of=run_of_evaluation)
@@ -66,7 +68,7 @@ if STUDY.bundle["evaluate"] == 1:
 
 else:
     for bundle in WORK.evaluate_bundles:  # pending evaluations only, in recorded bundles (sweep.jobs)
-        members = [PENDING_EVALS[key] for key in bundle.pending]
+        members = [JOB_EVALS[key] for key in bundle.pending]
         first = STUDY.run(members[0].run)
 
         rule:

@@ -78,7 +78,7 @@ if STUDY.bundle["train"] == 1:
         output:
             WORK.done("train", "{run}"),
         wildcard_constraints:
-            run=jobs.only(WORK.runs),  # a finished run is in no job
+            run=jobs.only(WORK.runs),  # the main process submits no finished run
         params:
             out=f"{RESULTS}/runs/{{run}}",  # a string: Snakemake fills wildcards into strings only
             follow=f"{RESULTS}/runs/{{run}}",
