@@ -57,6 +57,10 @@ class SigtermFlag:
         self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self
 
+    def reached_any(self, world: World) -> bool:
+        """Whether SIGTERM reached any process of `world` (one collective): all of them must stop together."""
+        return any(world.gather(self.raised))
+
     def _handle(self, signum: int, frame: Any) -> None:
         log.warning("SIGTERM received: checkpointing after this step, then exiting with %d", EXIT_PREEMPTED)
         self.raised = True
@@ -153,10 +157,6 @@ class Run:
         every, step = self.config.measure.every, self.state.step
         return self.probe is not None and (step == self.config.train.steps or (every and step % every == 0))
 
-    def _stopping(self, sigterm: SigtermFlag) -> bool:
-        """Whether SIGTERM reached any process: all of them must checkpoint and stop together."""
-        return any(self.world.gather(sigterm.raised))
-
     def train(self, sigterm: SigtermFlag) -> None:
         c, main, s = self.config, self.world.main, self.state
         state.restore(self)
@@ -166,7 +166,7 @@ class Run:
         bar = progress_bar(c.train.steps, "train", show=None if main else False)
         bar.update(s.step)
         try:
-            if s.step < c.train.steps and self._stopping(sigterm):  # SIGTERM while loading
+            if s.step < c.train.steps and sigterm.reached_any(self.world):  # SIGTERM while loading
                 raise Preempted
             while s.step < c.train.steps:
                 metrics = run_step(self)
@@ -181,7 +181,7 @@ class Run:
                     if main:
                         with (self.out / OBJECTIVE).open("a") as handle:
                             handle.write(json.dumps(measured) + "\n")
-                stopping = self._stopping(sigterm)  # one collective per step
+                stopping = sigterm.reached_any(self.world)  # one collective per step
                 if s.step % c.checkpoint.every == 0 or stopping:
                     state.save_checkpoint(self)
                 if stopping and s.step < c.train.steps:
@@ -219,7 +219,7 @@ def train(config: RunConfig, out_dir: Path, sigterm: SigtermFlag | None = None) 
         world = World.from_environment(config.model.device)
         run, trained = None, False
         try:
-            if any(world.gather(sigterm.raised)):  # during an earlier run of this process: this one waits
+            if sigterm.reached_any(world):  # during an earlier run of this process: this one waits
                 log.warning("%s not started: SIGTERM came before it; exiting with %d", out_dir, EXIT_PREEMPTED)
                 return EXIT_PREEMPTED
             with directory.run_log(out_dir, world.main):
