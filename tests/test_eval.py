@@ -92,6 +92,21 @@ def test_greedy_and_chat_template_options(warm_model, tmp_path):
     assert "do_sample: false" in (out / "tasks" / "arith.yaml").read_text()
 
 
+def test_an_evaluation_runs_no_environment_report(warm_model, tmp_path, monkeypatch):
+    """lm-eval's add_env_info runs torch's collect_env (pip, conda, nvidia-smi: a third of a second of each
+    evaluation here), whose report klstudy never writes: an evaluation records the versions only."""
+    import torch.utils.collect_env
+
+    from eval.__main__ import main
+
+    reports = []
+    monkeypatch.setattr(torch.utils.collect_env, "get_pretty_env_info", lambda: reports.append(1) or "")
+    out = tmp_path / "quiet"
+    assert main(["run", "--model", str(warm_model), "--suite", "arith", "--limit", "2", "--max-gen-toks", "4",
+                 "--out", str(out), "--data", f"arith={DATA / 'arith.jsonl'}"]) == 0
+    assert (out / "metrics.json").is_file() and reports == []
+
+
 def test_several_models_in_one_process_score_as_they_would_alone(warm_model, tmp_path):
     """What a study's bundled evaluation job does: each --model with its own --out and --seed. Run again (a
     requeued job), it leaves a finished evaluation as it is."""
