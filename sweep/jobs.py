@@ -41,13 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Hashable
 
+from eval.harness import METRICS_FILE
 from sweep.grid import Study
 from trainer.run_files import COMPLETE
 
 log = logging.getLogger(__name__)
 
 JOBS = ".jobs"
-METRICS_JSON = "metrics.json"
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def run_finished(study: Study, run_id: str) -> bool:
 
 
 def evaluation_file(study: Study, target: EvalTarget) -> Path:
-    return study.results / "eval" / target.key / METRICS_JSON
+    return study.results / "eval" / target.key / METRICS_FILE
 
 
 def evaluations(study: Study) -> list[EvalTarget]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from eval.harness import METRICS_FILE
 from sweep import axes
 from trainer.run_files import COMPLETE, CONFIG, METRICS, OBJECTIVE, OBJECTIVE_REFERENCE, read_metrics
 
@@ -96,8 +97,8 @@ def _suites(directory: Path) -> dict[str, dict[str, Any]]:
     """suite -> its metrics.json, for every suite evaluated under `directory`."""
     if not directory.is_dir():
         return {}
-    return {suite.name: json.loads((suite / "metrics.json").read_text())
-            for suite in sorted(directory.iterdir()) if (suite / "metrics.json").is_file()}
+    return {suite.name: json.loads((suite / METRICS_FILE).read_text())
+            for suite in sorted(directory.iterdir()) if (suite / METRICS_FILE).is_file()}
 
 
 def read_config(path: Path) -> dict[str, Any]:
