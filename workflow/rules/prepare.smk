@@ -31,8 +31,7 @@ rule build_model:
     shell:
         "({PY} -m trainer toy-model --out {params.base} {params.toy:q}"
         " && {PY} -m trainer sft --model {params.base} --out {params.out} {params.sft:q} {params.options:q}"
-        " && rm -rf {params.base}"
-        " && {PY} -m trainer fetch-model --model {params.out} --ready {output.ready}) > {log} 2>&1"
+        " --ready {output.ready} && rm -rf {params.base}) > {log} 2>&1"
 
 
 def _gguf_source(model):
@@ -55,8 +54,7 @@ rule import_model:
     resources:
         **rule_resources("prepare"),
     shell:
-        "({PY} -m trainer import-gguf {params.source:q} --out {params.out}"
-        " && {PY} -m trainer fetch-model --model {params.out} --ready {output.ready}) > {log} 2>&1"
+        "{PY} -m trainer import-gguf {params.source:q} --out {params.out} --ready {output.ready} > {log} 2>&1"
 
 
 rule fetch_model:
