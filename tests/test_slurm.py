@@ -140,10 +140,11 @@ def test_a_lease_held_in_a_slurm_job_is_live_while_slurm_runs_the_job(slurm):
 def test_a_training_job_past_its_time_limit_is_requeued_and_resumes(slurm, tmp_path):
     config = json.loads(json.dumps(SMALL))
     config["grid"]["baseline"] = False
-    # Jobs limited to 2 minutes, warned 90 s before the limit: slurmctld checks limits every 30 s, so each
-    # attempt runs 30-60 s, start-up included. 2000 steps are about 70 s of training on an idle 2-core
-    # machine (0.035 s a step) and a few times that on a busy one: the run needs at least one requeue, at
-    # most about ten.
+    # Jobs limited to 2 minutes, warned 90 s before the limit. SLURM may send the warning up to 60 s early
+    # and checks every 30 s, so it comes at its first check after the job starts: each attempt runs 0-30 s,
+    # start-up (about 8 s) included, and a requeued job waits about 14 s to start again (here: 12 attempts
+    # of 13-17 s, 6 min in all). 2000 steps are about 70 s of training on an idle 2-core machine (0.035 s a
+    # step): more than one attempt can hold on any machine, so the run needs at least one requeue.
     steps = 2000
     config["run"]["train"].update(steps=steps, prompts_per_step=16, group_size=4)
     config["run"]["checkpoint"]["every"] = 5
