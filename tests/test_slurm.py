@@ -143,10 +143,10 @@ def test_a_training_job_past_its_time_limit_is_requeued_and_resumes(slurm, tmp_p
     # Jobs limited to 2 minutes, warned 90 s before the limit. SLURM may send the warning up to 60 s early
     # and checks every 30 s, so it comes at its first check after the job starts: each attempt runs 0-30 s,
     # start-up (about 8 s) included, and a requeued job waits about 14 s to start again (here: 12 attempts
-    # of 13-17 s, 6 min in all). 2000 steps are about 70 s of training on an idle 2-core machine (0.035 s a
-    # step), more than the 30 s an attempt can last unless a machine trains twice as fast: the run needs at
-    # least one requeue. Up to 30 requeues are allowed, for a slow machine.
-    steps = 2000
+    # of 13-17 s for 2000 steps, 6 min in all). 1200 steps are about 42 s of training on an idle 2-core
+    # machine (0.035 s a step): with start-up, more than the 30 s an attempt can last unless a machine runs
+    # both 1.6 times as fast, so the run needs at least one requeue. Up to 30 are allowed, for a slow machine.
+    steps = 1200
     config["run"]["train"].update(steps=steps, prompts_per_step=16, group_size=4)
     config["run"]["checkpoint"]["every"] = 5
     config["resources"]["train"] = {"runtime": 2}
