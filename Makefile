@@ -54,9 +54,13 @@ study-offpolicy: $(STAMP)
 study-peers: $(STAMP)
 	$(BIN)/snakemake --profile profiles/local --configfile workflow/config/toy_peers.yaml
 
+# The whole suite over TEST_WORKERS processes (pytest-xdist); the SLURM tests share one (tests/conftest.py,
+# CLUSTER_FILES).
+# One torch thread a process: two torch processes with a thread per core each spin on a two-core machine.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(OLAH_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # The unit tier for daily work, over the cores: everything but the files that train, run studies,
 # start servers, engines or clusters, and the tests marked slow (docs/testing.md has the tiers' times).

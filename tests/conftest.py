@@ -22,6 +22,34 @@ from trainer.rollout.base import Rollouts
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 
+# The files whose tests run on the one-node SLURM cluster (the `slurm` fixture). `make test` spreads the suite
+# over two processes (pytest-xdist); these files share one of them and run one test at a time, for the node
+# has two CPUs, and a study whose jobs queued behind another test's would run into its timeouts.
+CLUSTER_FILES = {"test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.py"}
+
+
+def pytest_collection_modifyitems(items):
+    """A test on the cluster outside CLUSTER_FILES would share it with another process's tests."""
+    stray = [item.nodeid for item in items if "slurm" in item.fixturenames and item.path.name not in CLUSTER_FILES]
+    if stray:
+        raise pytest.UsageError(f"{', '.join(stray)} use the SLURM cluster: add their files to CLUSTER_FILES "
+                                "in tests/conftest.py")
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent under -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduling by scope, where the scope of a test in CLUSTER_FILES is the cluster and every
+    other test is its own. (`--dist loadgroup` cannot group here: it renames the tests' ids, which pytest 9
+    no longer reads.) Scopes go out largest first, so the cluster's, the longest, starts at once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClusterTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "cluster" if nodeid.split("::")[0].rsplit("/", 1)[-1] in CLUSTER_FILES else nodeid
+
+    return ClusterTogether(config, log)
+
+
 @pytest.fixture(scope="session")
 def toy_model(tmp_path_factory):
     """A randomly initialised character-level toy Llama (a directory)."""
