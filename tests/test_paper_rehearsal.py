@@ -57,7 +57,7 @@ def math2_records(path: Path) -> None:
 @pytest.mark.slow
 def test_the_paper_study_at_cpu_size_runs_through_slurm_with_offline_jobs(slurm, hub, tmp_path):
     math2_records(tmp_path / "data" / "math2.jsonl")
-    env = {**hub.env(tmp_path / "hf"), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2",
+    env = {**hub.env(tmp_path / "hf"), "PYTHONUNBUFFERED": "1",  # torch's threads as the suite's (make test: 1)
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     command = [*SNAKEMAKE, "--directory", str(tmp_path), "--configfile", *map(str, CONFIGS)]
     started = time.monotonic()
