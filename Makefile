@@ -54,8 +54,8 @@ study-offpolicy: $(STAMP)
 study-peers: $(STAMP)
 	$(BIN)/snakemake --profile profiles/local --configfile workflow/config/toy_peers.yaml
 
-# The whole suite over TEST_WORKERS processes (pytest-xdist); the SLURM tests share one (tests/conftest.py,
-# CLUSTER_FILES).
+# The whole suite over TEST_WORKERS processes (pytest-xdist; 0: one process); the SLURM tests share one
+# (tests/conftest.py, CLUSTER_FILES).
 # One torch thread a process: two torch processes with a thread per core each spin on a two-core machine.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(OLAH_STAMP)

@@ -40,7 +40,10 @@ def pytest_collection_modifyitems(items):
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's scheduling by scope, where the scope of a test in CLUSTER_FILES is the cluster and every
     other test is its own. (`--dist loadgroup` cannot group here: it renames the tests' ids, which pytest 9
-    no longer reads.) Scopes go out largest first, so the cluster's, the longest, starts at once."""
+    no longer reads.) Scopes go out largest first, so the cluster's, the longest, starts at once. Another
+    `--dist` than the default keeps its own scheduler."""
+    if config.getvalue("dist") != "load":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ClusterTogether(LoadScopeScheduling):
