@@ -30,7 +30,8 @@ CLUSTER_FILES = {"test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.p
 
 def pytest_collection_modifyitems(items):
     """A test on the cluster outside CLUSTER_FILES would share it with another process's tests."""
-    stray = [item.nodeid for item in items if "slurm" in item.fixturenames and item.path.name not in CLUSTER_FILES]
+    stray = [item.nodeid for item in items
+             if "slurm" in getattr(item, "fixturenames", ()) and item.path.name not in CLUSTER_FILES]
     if stray:
         raise pytest.UsageError(f"{', '.join(stray)} use the SLURM cluster: add their files to CLUSTER_FILES "
                                 "in tests/conftest.py")
