@@ -2,13 +2,17 @@
 groups, statistics combine over shares, the launch command. (The updates themselves, compared:
 tests/test_distributed.py.)"""
 
+import signal
+import subprocess
+import sys
+
 import pytest
 from test_distributed import _overrides
 
 from trainer import config as run_config
 from trainer.launch import train_command
 from trainer.objective.loss import combine_stats
-from trainer.run import Run
+from trainer.run import EXIT_PREEMPTED, Run
 
 
 def test_micro_batches_must_hold_whole_groups(warm_model, tmp_path):
@@ -30,3 +34,15 @@ def test_the_launch_command():
     launch = train_command("py", 4)
     assert launch[2:5] == ["py", "-m", "accelerate.commands.launch"] and launch[-2:] == ["-m", "trainer"]
     assert launch[launch.index("--num_processes") + 1] == "4"
+
+
+@pytest.mark.parametrize("status", [EXIT_PREEMPTED, 1])
+def test_a_preempted_trainer_ignores_a_later_sigterm_as_it_exits(status):
+    """In a SLURM step of two tasks, the first to exit 75 makes srun terminate the other, which may still be
+    tearing down after its checkpoint: it must still exit 75 (CI saw it die by SIGTERM, 143, and the job end
+    FAILED). Here the SIGTERM comes from the interpreter's own exit; any other status keeps the default."""
+    code = ("import atexit, os, signal; from trainer.__main__ import exit_with; "
+            "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM)); "
+            f"exit_with({status})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == (EXIT_PREEMPTED if status == EXIT_PREEMPTED else -signal.SIGTERM), done.stderr
