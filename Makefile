@@ -56,11 +56,13 @@ study-peers: $(STAMP)
 
 # The whole suite over TEST_WORKERS processes (pytest-xdist; 0: one process); the SLURM tests share one
 # (tests/conftest.py, CLUSTER_FILES).
-# One torch thread a process: two torch processes with a thread per core each spin on a two-core machine.
+# TEST_THREADS torch threads a process (the studies' jobs included): two torch processes with a thread per
+# core each spin on a two-core machine.
 TEST_WORKERS ?= 2
+TEST_THREADS ?= 1
 test: $(STAMP) $(OLAH_STAMP)
 	$(BIN)/ruff check .
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # The unit tier for daily work, over the cores: everything but the files that train, run studies,
 # start servers, engines or clusters, and the tests marked slow (docs/testing.md has the tiers' times).
@@ -70,7 +72,7 @@ FAST_EXCLUDED := test_workflow test_slurm test_train test_distributed test_vllm_
 	test_hub_server
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -m "not slow" $(foreach f,$(FAST_EXCLUDED),--ignore=tests/$(f).py)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(foreach f,$(FAST_EXCLUDED),--ignore=tests/$(f).py)
 
 # The documentation site (mkdocs.yml), built into site/; --strict: a broken link or a page missing from
 # the nav fails it. CI builds it (.ci/run).

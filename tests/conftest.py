@@ -28,28 +28,25 @@ os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 CLUSTER_FILES = {"test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.py"}
 
 
-def pytest_collection_modifyitems(items):
-    """A test on the cluster outside CLUSTER_FILES would share it with another process's tests."""
-    stray = [item.nodeid for item in items
-             if "slurm" in getattr(item, "fixturenames", ()) and item.path.name not in CLUSTER_FILES]
-    if stray:
-        raise pytest.UsageError(f"{', '.join(stray)} use the SLURM cluster: add their files to CLUSTER_FILES "
-                                "in tests/conftest.py")
+def on_cluster(path: str) -> bool:
+    """Whether the test file at `path` (a node id's file part or a file name) is one of CLUSTER_FILES."""
+    return path.rsplit("/", 1)[-1] in CLUSTER_FILES
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's scheduling by scope, where the scope of a test in CLUSTER_FILES is the cluster and every
     other test is its own. (`--dist loadgroup` cannot group here: it renames the tests' ids, which pytest 9
-    no longer reads.) Scopes go out largest first, so the cluster's, the longest, starts at once. Another
-    `--dist` than the default keeps its own scheduler."""
+    no longer reads.) Scopes go out largest first (xdist's --loadscope-reorder, on by default), so the
+    cluster's, the longest, starts at once. Only `--dist load`, what `-n` does by default, is replaced: another
+    `--dist` keeps its own scheduler, without the grouping."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ClusterTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "cluster" if nodeid.split("::")[0].rsplit("/", 1)[-1] in CLUSTER_FILES else nodeid
+            return "cluster" if on_cluster(nodeid.split("::")[0]) else nodeid
 
     return ClusterTogether(config, log)
 
@@ -156,9 +153,13 @@ def cluster_up() -> bool:
 
 
 @pytest.fixture(scope="module")
-def slurm():
+def slurm(request):
     """A SLURM cluster (profiles/slurm/local-cluster.sh up): skipped without one, failed with
-    KLSTUDY_REQUIRE_SLURM=1 (CI)."""
+    KLSTUDY_REQUIRE_SLURM=1 (CI). A test outside CLUSTER_FILES fails before it touches the cluster: it would
+    share it with another process's tests."""
+    if not on_cluster(request.path.name):
+        pytest.fail(f"{request.path.name} uses the SLURM cluster: add it to CLUSTER_FILES in tests/conftest.py",
+                    pytrace=False)
     if not cluster_up():
         if os.environ.get("KLSTUDY_REQUIRE_SLURM") == "1":
             pytest.fail("no SLURM cluster: run profiles/slurm/local-cluster.sh up")

@@ -41,8 +41,17 @@ def test_a_preempted_trainer_ignores_a_later_sigterm_as_it_exits(status):
     """In a SLURM step of two tasks, the first to exit 75 makes srun terminate the other, which may still be
     tearing down after its checkpoint: it must still exit 75 (CI saw it die by SIGTERM, 143, and the job end
     FAILED). Here the SIGTERM comes from the interpreter's own exit; any other status keeps the default."""
-    code = ("import atexit, os, signal; from trainer.__main__ import exit_with; "
+    code = ("import atexit, os, signal; from trainer.exit_status import exit_with; "
             "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM)); "
             f"exit_with({status})")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == (EXIT_PREEMPTED if status == EXIT_PREEMPTED else -signal.SIGTERM), done.stderr
+
+
+def test_a_preempted_trainer_whose_shutdown_hangs_still_ends():
+    """SIGTERM no longer stops a trainer that exits 75, so a shutdown that never ends (here an exit handler
+    that waits forever) is ended by the alarm that exit_with sets, not left for the launcher's SIGKILL."""
+    code = ("import atexit, threading; from trainer.exit_status import exit_with; "
+            "atexit.register(threading.Event().wait); exit_with(75, limit_s=1)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGALRM, done.stderr

@@ -489,17 +489,7 @@ def _quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
 
 
-def exit_with(status: int) -> None:
-    """Ends the process with `status`. A trainer that checkpointed on SIGTERM (75) ignores SIGTERM from here on:
-    when one task of a SLURM step exits 75 first, srun (--kill-on-bad-exit) terminates the others, and one
-    still tearing down after its checkpoint would otherwise die by the signal (143) and the job end FAILED
-    rather than preempted."""
-    if status == 75:  # trainer.run.errors.EXIT_PREEMPTED, not imported: it loads torch
-        import signal
-
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.exit(status)
-
-
 if __name__ == "__main__":
+    from trainer.exit_status import exit_with
+
     exit_with(main())

@@ -123,7 +123,10 @@ def task(args: list[str]) -> int:
 
     signal.signal(STOP, stop)
     signal.signal(signal.SIGTERM, stop)
-    return _status(trainer.wait())
+    status = trainer.wait()
+    # The trainer is gone: a SIGTERM now (srun's, as another task exited 75) must not replace its status.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return _status(status)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed on SIGTERM; run the same command again to resume
+from trainer.exit_status import EXIT_PREEMPTED  # noqa: F401 (re-exported: the run returns it)
+
 TIMING_KEYS = ("step_time", "gen_time", "train_time", "tokens_per_s")  # the only non-reproducible metrics
 
 
