@@ -5,11 +5,11 @@
 # the commands carry in order (results/gpu-carry/partN); each command there first adds its piece,
 # unpacks what is whole, then runs its stages in order, each under its own time limit.
 #
-#   benchmarks/gpu_session.sh pack                 here, with network: results/gpu-carry/part0..2
+#   benchmarks/gpu_session.sh pack                 here, with network: results/gpu-carry/part0..3
 #   benchmarks/gpu_session.sh [N] STAGE...         there, with piece N (if named); the stages:
 #     info      the machine, and the wheels TRL and the GGUF import need (piece 0 holds them)
 #     contract  vLLM 0.26.0 unpacked (whole after piece 1); the engine contract on toy models
-#     resume    SmolLM2 (whole after piece 2) imported; a run with vLLM rollouts stopped by SIGTERM
+#     resume    SmolLM2 (whole after piece 3) imported; a run with vLLM rollouts stopped by SIGTERM
 #               after its second step and resumed ($RESUME_STEPS steps, default 5)
 #     step      SmolLM2's step timed per variant (benchmarks/gpu_step.py; $STEP_VARIANTS, ';'-joined
 #               overrides per variant and '|' between variants)
@@ -20,11 +20,11 @@
 # The bundle, in order: the wheels TRL, the GGUF import and the study schema need; vLLM installed with
 # the packages it needs beyond the machine's image (benchmarks/gpu_wheels.py --install), as one xz
 # stream, about half the size of their wheels; SmolLM2's GGUF (xz). vLLM goes without what it never
-# loads for a dense float32 model on a Hopper GPU: the FlashAttention-2 and -3 kernels (FlashAttention
-# has no float32 kernels; vLLM runs such a model on its Triton attention), the MoE and QuTLASS
-# kernels, which it imports only if present, the SM100 attention, DeepGEMM's headers, the Rust front
-# end. Three pieces, so three commands. xz checks each stream whole as it unpacks it, and the GGUF is
-# checked against its SHA-256. What comes back is in $OUT.
+# loads for a dense model on a Hopper GPU: the FlashAttention-2 kernels (Hopper runs FlashAttention-3,
+# and vLLM's models do not import without one of the two), the MoE and QuTLASS kernels, which it imports
+# only if present, the SM100 attention, DeepGEMM's headers, the Rust front end. Four pieces, so four
+# commands; a command with a piece and no stage only keeps it. xz checks each stream whole as it
+# unpacks it, and the GGUF is checked against its SHA-256. What comes back is in $OUT.
 set -uo pipefail
 PY=${PYTHON:-python3}
 source "$(dirname "$0")/gpu_env.sh"
@@ -56,7 +56,7 @@ pack() {
     $PYX benchmarks/gpu_wheels.py --dest "$CARRY/wheels-vllm" --install "$CARRY/vllm-site" \
         --pin apache-tvm-ffi==0.1.15.post2 "vllm==0.26.0" || return 1
     (cd "$CARRY/vllm-site/vllm" &&
-        rm -rf vllm_flash_attn/_vllm_fa2_C.abi3.so vllm_flash_attn/_vllm_fa3_C.abi3.so _moe_C_stable_libtorch.abi3.so \
+        rm -rf vllm_flash_attn/_vllm_fa2_C.abi3.so _moe_C_stable_libtorch.abi3.so \
             _qutlass_C.abi3.so vllm-rs third_party/fmha_sm100 third_party/deep_gemm/include \
             third_party/deep_gemm/_C.cpython-31[0134]-*.so) || return 1
     tar -C "$CARRY/vllm-site" -cf - . | xz -T0 -9 > "$B/vllm-site.tar.xz" || return 1
@@ -139,7 +139,7 @@ if [[ "${1:-}" =~ ^[0-9]$ ]]; then
     add_piece "$1"
     shift
 fi
-[ $# -gt 0 ] || { echo "usage: $0 pack | $0 [piece] info|contract|resume|step|trl..." >&2; exit 2; }
+[ $# -gt 0 ] || [ -f "$WORK/bundle.tar" ] || { echo "usage: $0 pack | $0 [piece] [info|contract|resume|step|trl...]" >&2; exit 2; }
 # as it ran on the H100: vLLM's top-k/top-p sampler in torch, not FlashInfer's (which compiles at first use)
 export KLSTUDY_REQUIRE_VLLM=1 VLLM_USE_FLASHINFER_SAMPLER=0
 status=0

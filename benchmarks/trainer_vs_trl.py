@@ -2,7 +2,9 @@
 
 Both sides train the same freshly built model on the same arithmetic prompts: B prompts x G
 completions of up to L tokens per step, k3 in the loss with the same beta, GRPO advantages (group
-std scaling), sequence-mean-of-token-mean aggregation, ratio clip 0.2, one update per batch. Each
+std scaling), sequence-mean-of-token-mean aggregation, ratio clip 0.2, one update per batch, gradient
+checkpointing as `--gradient-checkpointing` says (off by default; TRL's own default is on, and its
+recompute and memory were once compared against klstudy without it). Each
 side runs in its own child process, alternately, several rounds; a side's throughput is
 (generated + trained tokens) / step time over the steps after the first (which warms up, and
 compiles where klstudy's hf engine compiles its decoding), its memory the child's peak.
@@ -16,7 +18,7 @@ The last line is
     speedup=<klstudy/TRL throughput> memory=<klstudy/TRL peak memory>
 
     python benchmarks/trainer_vs_trl.py [--device cpu|cuda] [--rounds 2] [--steps 6] [--prompts 8]
-                                        [--group 8] [--length 32] [--check]
+                                        [--group 8] [--length 32] [--gradient-checkpointing] [--check]
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def run_klstudy(args: argparse.Namespace, model: Path) -> dict:
         "objective.estimator=k3", "objective.placement=loss", f"objective.beta={BETA}", "objective.advantage=grpo",
         "objective.loss_agg=seq-mean-token-mean", f"objective.clip_eps={CLIP}", f"train.steps={args.steps}",
         f"train.prompts_per_step={args.prompts}", f"train.group_size={args.group}", f"train.lr={LR}",
-        f"checkpoint.every={args.steps + 1}"])
+        f"checkpoint.every={args.steps + 1}", f"train.gradient_checkpointing={str(args.gradient_checkpointing).lower()}"])
     run = Run(config, Path(tempfile.mkdtemp()) / "run")
     steps = []
     for _ in range(args.steps):
@@ -107,7 +109,7 @@ def run_trl(args: argparse.Namespace, model: Path) -> dict:
         num_generations=args.group, max_completion_length=args.length, learning_rate=LR, lr_scheduler_type="constant",
         beta=BETA, loss_type="grpo", scale_rewards="group", use_bias_correction_kl=False, epsilon=CLIP,
         temperature=1.0, top_p=1.0, num_iterations=1, gradient_accumulation_steps=1, seed=0, shuffle_dataset=False,
-        dataloader_num_workers=0, max_grad_norm=1.0)
+        dataloader_num_workers=0, max_grad_norm=1.0, gradient_checkpointing=args.gradient_checkpointing)
     tokenizer = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype(args.device)))
     trainer = GRPOTrainer(model=lm, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer)
@@ -186,7 +188,8 @@ def run_child(side: str, args: argparse.Namespace, model: Path) -> tuple[dict, f
     result_file = Path(tempfile.mkdtemp()) / "result.json"
     command = [sys.executable, __file__, "--child", side, "--model", str(model), "--result", str(result_file),
                "--device", args.device, "--steps", str(args.steps), "--prompts", str(args.prompts),
-               "--group", str(args.group), "--length", str(args.length)]
+               "--group", str(args.group), "--length", str(args.length),
+               *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])]
     log_file = result_file.with_name("stderr.txt")
     with log_file.open("w") as log:  # a file, not a pipe: a chatty child cannot fill it and stall
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
@@ -218,6 +221,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, help="per step (default: 8 on a CPU, 16 on CUDA)")
     parser.add_argument("--group", type=int, help="completions per prompt (default: 8)")
     parser.add_argument("--length", type=int, help="new tokens at most (default: 32 on a CPU, 64 on CUDA)")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="on both sides (default: off on both)")
     parser.add_argument("--check", action="store_true", help="only check that the run can work (CUDA)")
     parser.add_argument("--child", choices=["klstudy", "trl", "check"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)

@@ -104,6 +104,43 @@ def growing_cache(model, capacity: int):
     return cache
 
 
+@functools.cache
+def _static_layer_class():
+    """transformers' StaticLayer and a subclass of it that takes keys and values of two dtypes, or None."""
+    try:
+        from transformers.cache_utils import StaticLayer
+    except ImportError:
+        return None
+
+    class PromotingStaticLayer(StaticLayer):
+        """A StaticLayer that holds keys and values in the dtype both convert to exactly. Under bf16 autocast
+        a Llama's keys leave the rotary embedding in float32 and its values in bfloat16; transformers'
+        layer holds both in the keys' dtype and cannot write the values. Held in float32, the values are
+        the ones the eager cache holds, and attention, which autocast runs in bfloat16, sees the same."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if getattr(self, "is_initialized", False):
+                dtype = self.dtype
+            else:
+                dtype = torch.promote_types(key_states.dtype, value_states.dtype)
+            return super().update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+    return StaticLayer, PromotingStaticLayer
+
+
+def static_cache(model, length: int):
+    """transformers' StaticCache for `model`, `length` positions, whose plain layers take keys and values
+    of two dtypes (PromotingStaticLayer)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    classes = _static_layer_class()
+    for layer in getattr(cache, "layers", ()) if classes else ():
+        if type(layer) is classes[0]:
+            layer.__class__ = classes[1]  # it adds no state: the same layer, updated by the subclass
+    return cache
+
+
 def static_length(needed: int) -> int:
     """The static cache's length for `needed` positions: a power of two, so that few shapes compile."""
     return max(SMALLEST_STATIC_LENGTH, 1 << (needed - 1).bit_length())
@@ -169,10 +206,8 @@ class Decoder:
         if cache is not None and cache.get_max_length() >= length:
             cache.reset()
             return cache
-        from transformers import StaticCache
-
         self._static.pop(batch, None)  # the old one's memory first
-        cache = self._static[batch] = StaticCache(config=self.model.config, max_cache_len=length)
+        cache = self._static[batch] = static_cache(self.model, length)
         return cache
 
     def _mask(self, batch: int, length: int) -> torch.Tensor:
