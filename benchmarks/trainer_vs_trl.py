@@ -68,7 +68,8 @@ def run_klstudy(args: argparse.Namespace, model: Path) -> dict:
         "objective.estimator=k3", "objective.placement=loss", f"objective.beta={BETA}", "objective.advantage=grpo",
         "objective.loss_agg=seq-mean-token-mean", f"objective.clip_eps={CLIP}", f"train.steps={args.steps}",
         f"train.prompts_per_step={args.prompts}", f"train.group_size={args.group}", f"train.lr={LR}",
-        f"checkpoint.every={args.steps + 1}", f"train.gradient_checkpointing={str(args.gradient_checkpointing).lower()}"])
+        f"checkpoint.every={args.steps + 1}",
+        f"train.gradient_checkpointing={str(args.gradient_checkpointing).lower()}"])
     run = Run(config, Path(tempfile.mkdtemp()) / "run")
     steps = []
     for _ in range(args.steps):

@@ -6,12 +6,13 @@ tests/test_vllm_engine_start.py. The stand-ins below have exactly the
 fields of vLLM 0.32's RequestOutput, CompletionOutput and Logprob that `to_rollouts` reads.
 """
 
+import logging
 from dataclasses import dataclass, field
 
 import pytest
 
 from trainer import config as run_config
-from trainer.rollout.vllm import engine_environment, import_vllm, resolve_sleep, to_rollouts
+from trainer.rollout.vllm import engine_environment, import_vllm, resolve_sleep, sleep_allocator_bytes, to_rollouts
 
 
 @dataclass
@@ -89,3 +90,18 @@ def test_sleep_mode_only_where_vllm_has_it(asked, device, sleeps):
     assert resolve_sleep(config.rollout, device) is sleeps
 
 
+
+
+def test_a_second_engine_in_a_process_sleeps_only_if_the_first_gave_its_memory_back(caplog):
+    """vLLM's sleep-mode allocator serves one engine per process: on an H200 the contract's second engine
+    (the untied model), started after the first was closed, failed with "CuMem allocator can only be
+    used for one instance per process", and so would the second run of `train-runs`. Such an engine
+    starts without sleep mode, and says why."""
+    config = run_config.load(None, ["model.path=x", "rollout.vllm_sleep=true"])
+    with caplog.at_level(logging.WARNING):
+        assert resolve_sleep(config.rollout, "cuda", held_bytes=0) is True
+        assert not caplog.records
+        assert resolve_sleep(config.rollout, "cuda", held_bytes=3 * 2**29) is False
+    assert "still holds 1.50 GiB in vLLM's sleep-mode allocator" in caplog.text
+    assert "python -m trainer train" in caplog.text
+    assert sleep_allocator_bytes() == 0  # no CUDA engine ever ran in this process

@@ -107,11 +107,30 @@ def engine_environment(config: RolloutConfig, device: str, environ: Mapping[str,
     return {} if "TRITON_F32_DEFAULT" in environ else {"TRITON_F32_DEFAULT": "ieee"}
 
 
-def resolve_sleep(config: RolloutConfig, device: str) -> bool:
-    """Whether the engine sleeps between generations: as asked, where vLLM has sleep mode (CUDA)."""
+def resolve_sleep(config: RolloutConfig, device: str, held_bytes: int = 0) -> bool:
+    """Whether the engine sleeps between generations: as asked, where vLLM has sleep mode (CUDA), and
+    where no earlier engine of the process still holds memory in vLLM's sleep-mode allocator
+    (`held_bytes`): that allocator serves one engine per process, and vLLM refuses a second one
+    ("CuMem allocator can only be used for one instance per process"; an H200 ran into it with a
+    second engine after the first was closed)."""
     if config.vllm_sleep and device != "cuda":
         log.info("rollout.vllm_sleep: vLLM's sleep mode is CUDA-only; off on the %s", device)
+    if config.vllm_sleep and device == "cuda" and held_bytes:
+        log.warning("rollout.vllm_sleep: off for this engine: an earlier vLLM engine of this process still holds "
+                    "%.2f GiB in vLLM's sleep-mode allocator, which serves one engine per process (for sleep "
+                    "mode, train each run in a process of its own: `python -m trainer train`)", held_bytes / 2**30)
+        return False
     return config.vllm_sleep and device == "cuda"
+
+
+def sleep_allocator_bytes() -> int:
+    """What vLLM's sleep-mode (CuMem) allocator holds in this process: 0 before any engine used it."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:  # a vLLM without it (its CPU build): no sleep mode to share
+        return 0
+    instance = getattr(CuMemAllocator, "instance", None)
+    return int(instance.get_current_usage()) if instance is not None else 0
 
 
 def to_rollouts(outputs: Sequence[Any], prompt_ids: list[list[int]], n: int) -> Rollouts:
@@ -148,7 +167,7 @@ class VLLMEngine:
         copy from `model_path`."""
         vllm = import_vllm()
         device = vllm_device()
-        self.sleep = resolve_sleep(config, device)
+        self.sleep = resolve_sleep(config, device, sleep_allocator_bytes() if device == "cuda" else 0)
         tp = config.vllm_tensor_parallel_size
         if world.size % tp:
             raise ConfigError(f"rollout.vllm_tensor_parallel_size: {tp} does not divide the {world.size} "
