@@ -38,10 +38,17 @@ add_piece() {  # the bundle grows by one piece; everything whole in it is unpack
     ls -l "$WORK/bundle.tar"
 }
 
-limit() {  # limit SECONDS COMMAND...: under a time limit, no later than $DEADLINE (epoch seconds) if set;
-    local seconds=$1  # 0, or no time left: not run
+seconds_left() {  # seconds_left SECONDS: SECONDS, or fewer if $DEADLINE (epoch seconds) comes sooner
+    local now
+    now=$(date +%s)
+    [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - now )) -lt "$1" ] && { echo $(( DEADLINE - now )); return; }
+    echo "$1"
+}
+
+limit() {  # limit SECONDS COMMAND...: under a time limit, no later than $DEADLINE; 0 or no time left: not run
+    local seconds
+    seconds=$(seconds_left "$1")
     shift
-    [ -n "${DEADLINE:-}" ] && seconds=$(( DEADLINE - $(date +%s) < seconds ? DEADLINE - $(date +%s) : seconds ))
     [ "$seconds" -gt 0 ] || { echo "skipped: $1 $2 $3"; return 0; }
     timeout "$seconds" "$@"
 }
@@ -100,13 +107,13 @@ print('\n'.join(next(r for r in study.runs if '__k3-loss__' in r.run_id).overrid
                 checkpoint.every=1 measure.prompts=0)
     $PY -m trainer train "${args[@]}" > "$OUT/resume-1.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 "${RESUME_SECONDS:-150}"); do
+    for _ in $(seq 1 "$(seconds_left "${RESUME_SECONDS:-150}")"); do
         [ -f "$run/metrics.jsonl" ] && [ "$(wc -l < "$run/metrics.jsonl")" -ge 2 ] && break
         kill -0 $pid 2>/dev/null || break
         sleep 1
     done
     kill -TERM $pid 2>/dev/null
-    for _ in $(seq 1 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+    for _ in $(seq 1 "$(seconds_left 60)"); do kill -0 $pid 2>/dev/null || break; sleep 1; done
     kill -KILL $pid 2>/dev/null  # a trainer that outlives a minute's notice is a finding too: the log says
     wait $pid; echo "first attempt: exit $?" | tee -a "$OUT/resume-1.log"
     limit "${RESUME_SECONDS:-150}" $PY -m trainer train "${args[@]}" > "$OUT/resume-2.log" 2>&1
