@@ -6,7 +6,8 @@
 # unpacks what is whole, then runs its stages in order, each under its own time limit.
 #
 #   benchmarks/gpu_session.sh pack                 here, with network: results/gpu-carry/part0..3
-#   benchmarks/gpu_session.sh [N] STAGE...         there, with piece N (if named); the stages:
+#   benchmarks/gpu_session.sh add N [STAGE...]     there: piece N added, then the stages run
+#   benchmarks/gpu_session.sh STAGE...             there: the stages run; they are:
 #     info      the machine, and the wheels TRL and the GGUF import need (piece 0 holds them)
 #     contract  vLLM 0.26.0 unpacked (whole after piece 1); the engine contract on toy models
 #     resume    SmolLM2 (whole after piece 3) imported; a run with vLLM rollouts stopped by SIGTERM
@@ -23,7 +24,7 @@
 # loads for a dense model on a Hopper GPU: the FlashAttention-2 kernels (Hopper runs FlashAttention-3,
 # and vLLM's models do not import without one of the two), the MoE and QuTLASS kernels, which it imports
 # only if present, the SM100 attention, DeepGEMM's headers, the Rust front end. Four pieces, so four
-# commands; a command with a piece and no stage only keeps it. xz checks each stream whole as it
+# commands; `add N` with no stage only keeps the piece. xz checks each stream whole as it
 # unpacks it, and the GGUF is checked against its SHA-256. What comes back is in $OUT.
 set -uo pipefail
 PY=${PYTHON:-python3}
@@ -142,11 +143,13 @@ if [ "${1:-}" = pack ]; then
     pack
     exit
 fi
-if [[ "${1:-}" =~ ^[0-9]$ ]]; then
-    add_piece "$1"
-    shift
+if [ "${1:-}" = add ] && [[ "${2:-}" =~ ^[0-9]$ ]]; then
+    add_piece "$2"
+    shift 2
+elif [ $# = 0 ]; then
+    echo "usage: $0 pack|add|info|contract|resume|step|trl (add N [STAGE...], STAGE...)" >&2
+    exit 2
 fi
-[ $# -gt 0 ] || [ -f "$WORK/bundle.tar" ] || { echo "usage: $0 pack | $0 [piece] [info|contract|resume|step|trl...]" >&2; exit 2; }
 # as it ran on the H100: vLLM's top-k/top-p sampler in torch, not FlashInfer's (which compiles at first use)
 export KLSTUDY_REQUIRE_VLLM=1 VLLM_USE_FLASHINFER_SAMPLER=0
 status=0
