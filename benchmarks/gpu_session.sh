@@ -13,8 +13,9 @@
 #     resume    SmolLM2 (whole after piece 3) imported; a run with vLLM rollouts stopped by SIGTERM
 #               after its second step and resumed ($RESUME_STEPS steps, default 5)
 #     step      SmolLM2's step timed per variant (benchmarks/gpu_step.py; $STEP_VARIANTS, ';'-joined
-#               overrides per variant and '|' between variants)
-#     trl       TRL and klstudy on CUDA (benchmarks/trainer_vs_trl.py)
+#               overrides per variant and '|' between variants, NAME@K for K processes at once;
+#               MPS=1: under NVIDIA's MPS daemon)
+#     trl       TRL and klstudy on CUDA (benchmarks/trainer_vs_trl.py; $TRL_ARGS: more of its options)
 #   each stage's limit in seconds: $CONTRACT_SECONDS, $RESUME_SECONDS (each attempt), $STEP_SECONDS,
 #   $TRL_SECONDS; 0 skips it. With $DEADLINE (epoch seconds), no stage runs past it.
 #
@@ -86,6 +87,7 @@ info() {
 }
 
 contract() {
+    mkdir -p "$WORK/site"
     [ -f "$WORK/site/vllm/__init__.py" ] || { xz -T0 -dc "$WORK/x/vllm-site.tar.xz" | tar -C "$WORK/site" -xf -; } || return 1
     $PY -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1 | tail -3
     limit "${CONTRACT_SECONDS:-200}" $PY -m pytest -v -rA --durations=15 -p no:cacheprovider tests/test_rollout_contract.py -k vllm \
@@ -129,14 +131,19 @@ step() {
     IFS='|' read -ra variants <<< "${STEP_VARIANTS:-hf-compiled=rollout.hf_decoding=compiled|hf-compiled-bf16=rollout.hf_decoding=compiled;train.mixed_precision=bf16}"
     local args=()
     for variant in "${variants[@]}"; do args+=(--variant "$variant"); done
+    # MPS=1: the variants' processes share the GPU through NVIDIA's MPS daemon, not by time slices
+    [ "${MPS:-0}" = 1 ] && nvidia-cuda-mps-control -d && echo "MPS daemon started"
     limit "${STEP_SECONDS:-240}" $PY benchmarks/gpu_step.py --model "$MODEL" --out "$WORK/step" --steps 4 \
         --timeout 150 "${args[@]}" 2>&1 | tail -n 30
+    [ "${MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control
     cp "$WORK"/step/gpu_step.json "$WORK"/step/gpu_step.md "$OUT"/ 2>/dev/null
     tail -n 5 "$WORK"/step/*/seed0/train.log
 }
 
 trl() {
-    limit "${TRL_SECONDS:-200}" $PY benchmarks/trainer_vs_trl.py --device cuda --rounds 1 --steps 4 2>&1 | tee "$OUT/trl.txt"
+    # shellcheck disable=SC2086  # $TRL_ARGS: more of the script's options, --gradient-checkpointing say
+    limit "${TRL_SECONDS:-200}" $PY benchmarks/trainer_vs_trl.py --device cuda --rounds 1 --steps 4 ${TRL_ARGS:-} 2>&1 |
+        tee "$OUT/trl.txt"
 }
 
 if [ "${1:-}" = pack ]; then
