@@ -48,6 +48,23 @@ def test_a_preempted_trainer_ignores_a_later_sigterm_as_it_exits(status):
     assert done.returncode == (EXIT_PREEMPTED if status == EXIT_PREEMPTED else -signal.SIGTERM), done.stderr
 
 
+@pytest.mark.parametrize("raised,status", [("KeyboardInterrupt", 130), ("RuntimeError('boom')", 1)])
+def test_an_interrupted_or_failed_trainer_whose_shutdown_hangs_still_ends(raised, status):
+    """Ctrl-C that lands as transformers starts its first model-loading thread leaves that thread (not a
+    daemon) waiting for work for ever, and the interpreter's exit waits for it: under Snakemake, CI's
+    Ctrl-C never returned. A command that fails or is interrupted ends within the limit all the same."""
+    hung = (f"import threading, sys; from trainer.exit_status import run_and_exit; "
+            f"threading.Thread(target=threading.Event().wait).start()\n"
+            f"def main():\n    raise {raised}\n"
+            f"run_and_exit(main, limit_s=%d)")
+    done = subprocess.run([sys.executable, "-c", hung % 1], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGALRM, done.stderr
+    assert ("interrupted (SIGINT)" if status == 130 else "RuntimeError: boom") in done.stderr
+    ends = hung.replace("threading.Thread(target=threading.Event().wait).start()", "pass")
+    done = subprocess.run([sys.executable, "-c", ends % 60], capture_output=True, text=True, timeout=60)
+    assert done.returncode == status, done.stderr
+
+
 def test_a_preempted_trainer_whose_shutdown_hangs_still_ends():
     """SIGTERM no longer stops a trainer that exits 75, so a shutdown that never ends (here an exit handler
     that waits forever) is ended by the alarm that exit_with sets, not left for the launcher's SIGKILL."""

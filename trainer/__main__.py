@@ -490,6 +490,6 @@ def _quiet_libraries() -> None:
 
 
 if __name__ == "__main__":
-    from trainer.exit_status import exit_with
+    from trainer.exit_status import run_and_exit
 
-    exit_with(main())
+    run_and_exit(main)
