@@ -25,6 +25,7 @@ def exit_with(status: int, limit_s: int = SHUTDOWN_LIMIT_S) -> None:
     if status == EXIT_PREEMPTED:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if status:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the alarm ends the process, whoever handled it before
         signal.alarm(limit_s)
     sys.exit(status)
 
