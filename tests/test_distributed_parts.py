@@ -53,17 +53,20 @@ def test_an_interrupted_or_failed_trainer_whose_shutdown_hangs_still_ends(raised
     """Ctrl-C that lands as transformers starts its first model-loading thread leaves that thread (not a
     daemon) waiting for work for ever, and the interpreter's exit waits for it: under Snakemake, CI's
     Ctrl-C never returned. A command that fails or is interrupted ends within the limit all the same."""
-    hung = (f"import signal, threading, sys; from trainer.exit_status import run_and_exit; "
-            f"signal.signal(signal.SIGALRM, lambda *_: None)\n"  # as math-verify's timeouts have one
-            f"threading.Thread(target=threading.Event().wait).start()\n"
-            f"def main():\n    raise {raised}\n"
-            f"run_and_exit(main, limit_s=%d)")
-    done = subprocess.run([sys.executable, "-c", hung % 1], capture_output=True, text=True, timeout=60)
-    assert done.returncode == -signal.SIGALRM, done.stderr
-    assert ("interrupted (SIGINT)" if status == 130 else "RuntimeError: boom") in done.stderr
-    ends = hung.replace("threading.Thread(target=threading.Event().wait).start()", "pass")
-    done = subprocess.run([sys.executable, "-c", ends % 60], capture_output=True, text=True, timeout=60)
-    assert done.returncode == status, done.stderr
+    def ending(thread: str, limit_s: int) -> subprocess.CompletedProcess:
+        code = ("import signal, threading; from trainer.exit_status import run_and_exit\n"
+                "signal.signal(signal.SIGALRM, lambda *_: None)\n"  # as math-verify's timeouts have one
+                f"{thread}\n"
+                f"def main():\n    raise {raised}\n"
+                f"run_and_exit(main, limit_s={limit_s})")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert ("interrupted (SIGINT)" if status == 130 else "RuntimeError: boom") in done.stderr
+        return done
+
+    hung = ending("threading.Thread(target=threading.Event().wait).start()", limit_s=1)
+    assert hung.returncode == -signal.SIGALRM, hung.stderr
+    ended = ending("pass", limit_s=60)
+    assert ended.returncode == status, ended.stderr
 
 
 def test_a_preempted_trainer_whose_shutdown_hangs_still_ends():

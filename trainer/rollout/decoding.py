@@ -135,9 +135,11 @@ def static_cache(model, length: int):
 
     cache = StaticCache(config=model.config, max_cache_len=length)
     classes = _static_layer_class()
-    for layer in getattr(cache, "layers", ()) if classes else ():
-        if type(layer) is classes[0]:
-            layer.__class__ = classes[1]  # it adds no state: the same layer, updated by the subclass
+    if classes is not None:
+        plain, promoting = classes
+        for layer in getattr(cache, "layers", ()):
+            if type(layer) is plain:
+                layer.__class__ = promoting  # it adds no state: the same layer, updated by the subclass
     return cache
 
 
