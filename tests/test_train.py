@@ -3,6 +3,7 @@ needs no training: tests/test_train_config.py)."""
 
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 from trainer import checkpoint
 from trainer import config as run_config
 from trainer.model.models import load_model
-from trainer.run import COMPLETE, EXIT_PREEMPTED, TIMING_KEYS, Run, TrainingError
+from trainer.run import COMPLETE, EXIT_PREEMPTED, TIMING_KEYS, Run, SigtermFlag, TrainingError, train
 from trainer.run.producer import Producer
 
 
@@ -110,6 +111,23 @@ def test_sigterm_checkpoints_and_exits_with_the_preempted_status(warm_model, tmp
     result = trainer_in_process("train", "--out", str(out),
                                 *overrides(warm_model, **{"checkpoint.every": 100, "train.steps": steps + 2}))
     assert result.returncode != 0 and "different config (train.steps)" in result.stderr  # runs are never mixed
+
+
+def test_a_sigterm_while_loading_exits_preempted_saying_there_was_no_step_to_checkpoint(warm_model, tmp_path, caplog):
+    """SLURM's warning can reach a trainer that is still loading (on the local cluster: 6 s into an attempt):
+    it stops before its first step, and says so, rather than that it wrote a checkpoint."""
+    class DuringLoading(SigtermFlag):
+        checks = 0
+
+        def reached_any(self, world):
+            self.checks += 1
+            return self.checks > 1  # not before loading; from the loop's first check on
+
+    out = tmp_path / "loading"
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        assert train(run_config.load(None, overrides(warm_model)), out, DuringLoading()) == EXIT_PREEMPTED
+    assert "preempted at step 0; no step to checkpoint yet, exiting with 75" in caplog.text
+    assert not list((out / "checkpoints").glob("step_*")) and not metrics(out)
 
 
 def test_a_partial_or_corrupt_checkpoint_is_skipped(warm_model, tmp_path):

@@ -12,4 +12,4 @@ class TrainingError(RuntimeError):
 
 
 class Preempted(Exception):
-    """Raised after the checkpoint that SIGTERM asked for has been written."""
+    """Raised after the checkpoint that SIGTERM asked for has been written (none before the first step)."""

@@ -228,8 +228,8 @@ def train(config: RunConfig, out_dir: Path, sigterm: SigtermFlag | None = None) 
                     run.train(sigterm)
                     trained = True
                 except Preempted:
-                    log.warning("preempted at step %d; checkpoint written, exiting with %d", run.step,
-                                EXIT_PREEMPTED)
+                    saved = "checkpoint written" if run.step else "no step to checkpoint yet"  # stopped while loading
+                    log.warning("preempted at step %d; %s, exiting with %d", run.step, saved, EXIT_PREEMPTED)
                     return EXIT_PREEMPTED
                 except (LeaseHeld, LeaseLost, DirectoryTaken):
                     raise  # the directory is another trainer's, or another run's: nothing is recorded in it
