@@ -147,7 +147,7 @@ def test_a_training_job_past_its_time_limit_is_requeued_and_resumes(slurm, tmp_p
     # fast, so the run needs at least one requeue. Once SLURM has requeued the job, its limit is raised, as an
     # operator extends a job, so that the next attempt finishes the run: left at 2 minutes, each attempt is
     # its start-up and a few seconds of training, and the attempts grow with the machine's load (27 attempts
-    # and 11 minutes beside the other half of the suite, where an idle machine needed 6).
+    # and 11 minutes beside the other half of the suite).
     steps = 1200
     config["run"]["train"].update(steps=steps, prompts_per_step=16, group_size=4)
     config["run"]["checkpoint"]["every"] = 5
