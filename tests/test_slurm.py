@@ -386,12 +386,17 @@ def test_a_two_task_training_step_stops_at_a_checkpoint_on_sigterm_and_resumes(s
                               env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.strip()
 
     def wait_for(job: str) -> str:
+        """The job's State|ExitCode once it has left the queue and its accounting has its end: slurmdbd may
+        record the end a moment after squeue drops the job (under CI's load, this test read a state too early)."""
         deadline = time.monotonic() + 300
-        while any(line.split()[0] == job for line in squeue()):
-            assert time.monotonic() < deadline
+        while True:
+            assert time.monotonic() < deadline, job
+            if not any(line.split()[0] == job for line in squeue()):
+                state = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State,ExitCode", "-j", job],
+                                       capture_output=True, text=True).stdout.strip()
+                if state.split("|")[0] not in ("", "PENDING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED"):
+                    return state
             time.sleep(0.5)
-        return subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State,ExitCode", "-j", job], capture_output=True,
-                              text=True).stdout.strip()
 
     first = submit(tmp_path / "first.log")
     deadline = time.monotonic() + 300
