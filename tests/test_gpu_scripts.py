@@ -1,6 +1,7 @@
 """The GPU session's scripts, run on the CPU as far as they go: the step harness (benchmarks/gpu_step.py)
-on the toy model, and the wheel resolver's reading of requirements and conflicts (benchmarks/gpu_wheels.py)
-on wheels written here. Its downloads and the bundle's journey need the network and a GPU machine."""
+on the toy model, the wheel resolver's reading of requirements and conflicts (benchmarks/gpu_wheels.py)
+on wheels written here, and the peak-memory reading of an allocator history (benchmarks/gpu_peak_memory.py)
+on a history written here. Its downloads and the bundle's journey need the network and a GPU machine."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from packaging.requirements import Requirement
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import gpu_peak_memory  # noqa: E402
 import gpu_wheels  # noqa: E402
 
 
@@ -65,3 +67,23 @@ def test_the_resolver_names_each_requirement_the_bundle_leaves_unmet(tmp_path):
                                 ("xgrammar-0.2.8", Requirement("apache-tvm-ffi>=0.1.11"))]}
     assert gpu_wheels.conflicts(wheels, asked) == [
         "xgrammar-0.2.8 asks for apache-tvm-ffi>=0.1.11, the bundle has 0.1.10"]
+
+
+def test_the_peak_is_found_in_an_allocator_history_with_the_blocks_alive_then():
+    def frames(*files):
+        return [{"filename": f, "line": 1, "name": "f"} for f in files]
+
+    model = frames("/x/site-packages/transformers/modeling.py", "/repo/trainer/model/models.py")
+    logits = frames("/repo/trainer/model/chunked_logprobs.py", "/repo/trainer/run/step.py")
+    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": model},
+              {"action": "alloc", "addr": 2, "size": 40, "frames": logits},
+              {"action": "free_requested", "addr": 2, "size": 40},
+              {"action": "free_completed", "addr": 2, "size": 40},  # the same release: not counted twice
+              {"action": "alloc", "addr": 3, "size": 30, "frames": logits},
+              {"action": "alloc", "addr": 4, "size": 30, "frames": logits},  # the peak: 160
+              {"action": "free_requested", "addr": 3, "size": 30},
+              {"action": "alloc", "addr": 5, "size": 25, "frames": logits}]
+    peak, at, alive = gpu_peak_memory.blocks_at_peak(events)
+    assert (peak, at, sorted(b["addr"] for b in alive)) == (160, 5, [1, 3, 4])
+    assert gpu_peak_memory.by_site(alive) == [
+        ("modeling.py:1:f | models.py:1:f", 100, 1), ("| chunked_logprobs.py:1:f < step.py:1:f", 60, 2)]

@@ -1,13 +1,16 @@
 """Memory-lean log-probs: the same values and gradients as the naive computation."""
 
 import math
+import weakref
 
 import pytest
 import torch
 from rounding import assert_equal_to_rounding, logprob_rounding
 from tiny_models import ragged_batch, tiny_lm
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from trainer.model.chunked_logprobs import token_logprobs
+from trainer.model.chunked_logprobs import ENTROPY_ROWS, token_logprobs
 from trainer.model.logprobs import completion_logprobs, pack
 from trainer.model.models import load_model
 from trainer.rollout.base import Rollouts
@@ -16,6 +19,56 @@ from trainer.rollout.base import Rollouts
 def naive(hidden, weight, bias, targets, temperature):
     logits = (hidden @ weight.T + (0 if bias is None else bias)) / temperature
     return torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of tensor storage that ops made and that are still alive, and their peak: the memory a
+    computation holds at once, on any device. A storage made before counts from when an op returns a view of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.seen:  # in-place ops and views return a storage already counted
+                    self.seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+    def _freed(self, key: int, size: int) -> None:
+        self.seen.discard(key)
+        self.live -= size
+
+
+def test_chunked_log_probs_hold_one_chunk_of_logits_at_a_time():
+    """A chunk's [chunk, V] buffers are freed before the next chunk's are made, forward (with the entropy)
+    and backward: before, the loop kept the last chunk's logits and probabilities alive, three to four
+    chunks of logits at once (an H100's allocator history showed it)."""
+    torch.manual_seed(0)
+    n, h, v, chunk = 2048, 32, 2048, 512
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    targets = torch.randint(v, (n,))
+    logits_chunk = chunk * v * 4
+    entropy_rows = 2 * ENTROPY_ROWS * v * 4  # the probabilities of a few rows, and their product with the logits
+    small = 0.1 * logits_chunk  # [N] outputs, a row's log-sum-exp
+    inputs = hidden.numel() * 4 + weight.numel() * 4  # counted once viewed (hidden[rows], weight.T)
+    with LiveBytes() as forward:
+        logp, _ = token_logprobs(hidden, weight, None, targets, 0.7, chunk, with_entropy=True)
+    assert 0 < forward.peak - inputs <= logits_chunk + entropy_rows + small, (forward.peak - inputs) / logits_chunk
+    with LiveBytes() as backward:
+        logp.sum().backward()
+    gradients = inputs  # made by the backward, alive at its end
+    held = backward.peak - gradients - inputs
+    assert 0 < held <= logits_chunk + small, held / logits_chunk
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
