@@ -7,6 +7,7 @@ cluster up): then a missing cluster is a failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,6 +47,20 @@ def snakemake(directory: Path, config: Path, *args: str, timeout: float = 900) -
                           capture_output=True, text=True, timeout=timeout)
 
 
+@contextlib.contextmanager
+def snakemake_running(log: Path, *args: str, **popen):
+    """Snakemake started with `args`, its stderr in `log` (a file, not a pipe nobody drains while it runs),
+    killed if it still runs when the block ends, so that a failed test leaves no Snakemake behind."""
+    with log.open("w") as handle:
+        process = subprocess.Popen([*SNAKEMAKE, *args], stdout=subprocess.DEVNULL, stderr=handle, **popen)
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
 def squeue() -> list[str]:
     return subprocess.run(["squeue", "-h", "-o", "%i %T %j"], capture_output=True, text=True).stdout.split("\n")[:-1]
 
@@ -78,16 +93,14 @@ def test_small_study_on_slurm_killed_mid_training_and_rerun_gives_the_local_outp
     directory = tmp_path / "slurm"
     path = write_config(directory, config)
     run = directory / "results" / "runs" / name
-    log = (tmp_path / "killed.log").open("w")  # a file, not a pipe nobody drains while it runs
-    killed = subprocess.Popen([*SNAKEMAKE, *SLURM, "--directory", str(directory), "--configfile", str(path)],
-                              stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while not (len(read_metrics(run / "metrics.jsonl")) >= 2 and not (run / "COMPLETE").exists()):
-        assert killed.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
-        time.sleep(0.1)
-    killed.kill()  # the login node's snakemake dies; its SLURM jobs go on
-    killed.wait(timeout=60)
-    log.close()
+    with snakemake_running(tmp_path / "killed.log", *SLURM, "--directory", str(directory), "--configfile",
+                           str(path), start_new_session=True) as killed:
+        deadline = time.monotonic() + 600
+        while not (len(read_metrics(run / "metrics.jsonl")) >= 2 and not (run / "COMPLETE").exists()):
+            assert killed.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+            time.sleep(0.1)
+        killed.kill()  # the login node's snakemake dies; its SLURM jobs go on
+        killed.wait(timeout=60)
     cluster_start = time.monotonic()
     cluster = snakemake(directory, path, *SLURM)
     cluster_s = time.monotonic() - cluster_start
@@ -153,18 +166,12 @@ def test_a_training_job_past_its_time_limit_is_requeued_and_resumes(slurm, tmp_p
     config["run"]["checkpoint"]["every"] = 5
     config["resources"]["train"] = {"runtime": 2}
     target = f"results/.jobs/train/{SMALL_RUNS[0]}.done"  # training only: its requeues are the point
-    log = (tmp_path / "snakemake.log").open("w")
-    process = subprocess.Popen([*SNAKEMAKE, *SLURM, "--submitit-signal-delay", "90", "--submitit-max-timeouts",
-                                "30", target, "--directory", str(tmp_path), "--configfile",
-                                str(write_config(tmp_path, config))], stdout=subprocess.DEVNULL, stderr=log)
-    try:
+    with snakemake_running(tmp_path / "snakemake.log", *SLURM, "--submitit-signal-delay", "90",
+                           "--submitit-max-timeouts", "30", target, "--directory", str(tmp_path), "--configfile",
+                           str(write_config(tmp_path, config))) as process:
         metrics = tmp_path / "results" / "runs" / SMALL_RUNS[0] / "metrics.jsonl"
         extended = extend_once_requeued("smk-train", metrics, minutes=15, process=process, timeout=600)
         assert process.wait(timeout=900) == 0, (tmp_path / "snakemake.log").read_text()[-4000:]
-    finally:
-        log.close()
-        if process.poll() is None:
-            process.kill()
     assert extended, "the training job finished without being requeued after a step"
     run = tmp_path / "results" / "runs" / SMALL_RUNS[0]
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(steps))  # none lost or repeated
@@ -212,10 +219,8 @@ def test_a_job_signalled_as_its_run_completes_is_requeued_and_ends_as_a_success(
     config["run"]["train"].update(steps=steps, prompts_per_step=64, group_size=8)  # about 0.2 s a step
     run = tmp_path / "results" / "runs" / SMALL_RUNS[0]
     target = f"results/.jobs/train/{SMALL_RUNS[0]}.done"
-    log = (tmp_path / "snakemake.log").open("w")
-    process = subprocess.Popen([*SNAKEMAKE, *SLURM, target, "--directory", str(tmp_path), "--configfile",
-                                str(write_config(tmp_path, config))], stdout=subprocess.DEVNULL, stderr=log)
-    try:
+    with snakemake_running(tmp_path / "snakemake.log", *SLURM, target, "--directory", str(tmp_path),
+                           "--configfile", str(write_config(tmp_path, config))) as process:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and process.poll() is None:
             metrics = run / "metrics.jsonl"
@@ -225,10 +230,6 @@ def test_a_job_signalled_as_its_run_completes_is_requeued_and_ends_as_a_success(
                 break
             time.sleep(0.05)
         assert process.wait(timeout=600) == 0, (tmp_path / "snakemake.log").read_text()[-4000:]
-    finally:
-        log.close()
-        if process.poll() is None:
-            process.kill()
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(steps))
     attempt = (tmp_path / "results" / "logs" / "train" / f"{SMALL_RUNS[0]}.log").read_text()
     assert "is already complete; nothing to do" in attempt  # the requeued job's trainer
@@ -240,18 +241,16 @@ def test_a_job_signalled_as_its_run_completes_is_requeued_and_ends_as_a_success(
 def test_interrupted_snakemake_leaves_no_job_in_squeue(slurm, tmp_path):
     config = json.loads(json.dumps(SMALL))
     config["run"]["train"]["steps"] = 2000  # jobs that would run for minutes
-    log = (tmp_path / "snakemake.log").open("w")  # a file, not a pipe nobody drains while it runs
-    process = subprocess.Popen([*SNAKEMAKE, *SLURM, "--directory", str(tmp_path), "--configfile",
-                                str(write_config(tmp_path, config))], stdout=subprocess.DEVNULL,
-                               stderr=log, text=True, start_new_session=True, preexec_fn=default_sigint)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not any("smk-train" in line and "RUNNING" in line for line in squeue()):
-        assert process.poll() is None, (tmp_path / "snakemake.log").read_text()[-3000:]
-        time.sleep(0.5)
-    assert any("smk-train" in line for line in squeue())
-    process.send_signal(signal.SIGINT)  # Ctrl-C on the submit host
-    process.wait(timeout=120)
-    log.close()
+    with snakemake_running(tmp_path / "snakemake.log", *SLURM, "--directory", str(tmp_path), "--configfile",
+                           str(write_config(tmp_path, config)), start_new_session=True,
+                           preexec_fn=default_sigint) as process:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any("smk-train" in line and "RUNNING" in line for line in squeue()):
+            assert process.poll() is None, (tmp_path / "snakemake.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert any("smk-train" in line for line in squeue())
+        process.send_signal(signal.SIGINT)  # Ctrl-C on the submit host
+        process.wait(timeout=120)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and squeue():
         time.sleep(0.5)
