@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]  # the generated reference pages are not files
 PACKAGES = ("trainer", "eval", "sweep")
-SHELL = {"export", "cat", "chmod", "ssh", "rm", ".", "source", "cd", "ls"}
+SHELL = {"export", "cat", "chmod", "ssh", "rm", ".", "source", "cd", "ls", "nvidia-cuda-mps-control"}
 
 
 def _usage_tokens(words: list[str]) -> list[list[str]]:
