@@ -11,8 +11,8 @@
 #   benchmarks/gpu_session.sh STAGE...             there: the stages run; they are:
 #     info      the machine, and the wheels TRL and the GGUF import need (piece 0 holds them)
 #     contract  vLLM 0.26.0 unpacked (whole after piece 3); the engine contract on toy models
-#     resume    SmolLM2 (whole after piece 1) imported; a run with vLLM rollouts stopped by SIGTERM
-#               after its second step and resumed ($RESUME_STEPS steps, default 5)
+#     resume    SmolLM2 (whole after piece 1) imported; a run with vLLM rollouts (so after piece 3)
+#               stopped by SIGTERM after its second step and resumed ($RESUME_STEPS steps, default 5)
 #     step      SmolLM2's step timed per variant (benchmarks/gpu_step.py; $STEP_VARIANTS, ';'-joined
 #               overrides per variant and '|' between variants, NAME@K for K processes at once;
 #               MPS=1: under NVIDIA's MPS daemon)
