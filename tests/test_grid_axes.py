@@ -1,4 +1,5 @@
-"""Any run-config key as a study axis: expansion, run ids that never change, include/exclude, errors."""
+"""Any run-config key as a study axis: expansion, run ids that never change, include/exclude, errors; and an
+override file that regroups a study's runs into jobs without changing their ids (smol_mps.yaml)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from snakemake.utils import update_config
 
 from sweep.grid import StudyError, load_study
 
@@ -139,3 +141,18 @@ def test_the_off_policy_studies_grids():
     assert "Qwen2.5-7B__k1-reward-centred__b0.005__preset-paper-k1-reward-reset50__s0" in [r.run_id for r in runs]
 
 
+def test_the_mps_variant_keeps_smols_run_ids_and_makes_eight_training_jobs_of_bf16_runs():
+    """workflow/config/smol_mps.yaml over smol.yaml: the same 30 run ids, in 8 training jobs that a
+    16-core node runs at once (2 CPUs each), bf16 mixed precision, results apart from smol.yaml's."""
+    def merged(*names):
+        data: dict = {}
+        for name in names:
+            update_config(data, yaml.safe_load((REPO / "workflow" / "config" / name).read_text()))
+        return load_study(data)
+
+    smol, mps = merged("smol.yaml"), merged("smol.yaml", "smol_mps.yaml")
+    assert [run.run_id for run in mps.runs] == [run.run_id for run in smol.runs] and len(mps.runs) == 30
+    jobs = mps.bundles("train", [run.run_id for run in mps.runs])
+    assert sorted(map(len, jobs)) == [2, 4, 4, 4, 4, 4, 4, 4] and mps.resources_for("train", None)["cpus"] == 2
+    assert {run.config["train"]["mixed_precision"] for run in mps.runs} == {"bf16"}
+    assert mps.results != smol.results

@@ -1,6 +1,5 @@
 """smol.yaml's CPU smoke variant through Snakemake: SmolLM2-135M-Instruct imported by the prepare step,
-trained, evaluated in-domain and out-of-domain with lm-eval, tracked and reported, for real; and how its
-MPS variant groups the grid into jobs."""
+trained, evaluated in-domain and out-of-domain with lm-eval, tracked and reported, for real."""
 
 import json
 import os
@@ -8,11 +7,8 @@ import signal
 import subprocess
 
 import pytest
-import yaml
-from snakemake.utils import update_config
 from test_workflow import LOCAL, REPO, SNAKEMAKE
 
-from sweep.grid import load_study
 from trainer.run_files import read_metrics
 
 CONFIGS = [REPO / "workflow" / "config" / "smol.yaml", REPO / "workflow" / "config" / "smol_cpu.yaml"]
@@ -47,20 +43,3 @@ def test_the_smol_studys_cpu_smoke_variant_runs_end_to_end(smollm2, tmp_path):
     table = (results / "tables" / "results.md").read_text()
     assert "k1-reward" in table and "k3-loss" in table and "no KL" in table and "arith_natural" in table
     assert (results / "mlflow.db").is_file()
-
-
-def test_the_mps_variant_keeps_smols_run_ids_and_makes_eight_training_jobs_of_bf16_runs():
-    """workflow/config/smol_mps.yaml over smol.yaml: the same 30 run ids, in 8 training jobs that a
-    16-core node runs at once (2 CPUs each), bf16 mixed precision, results apart from smol.yaml's."""
-    def merged(*names):
-        data: dict = {}
-        for name in names:
-            update_config(data, yaml.safe_load((REPO / "workflow" / "config" / name).read_text()))
-        return load_study(data)
-
-    smol, mps = merged("smol.yaml"), merged("smol.yaml", "smol_mps.yaml")
-    assert [run.run_id for run in mps.runs] == [run.run_id for run in smol.runs] and len(mps.runs) == 30
-    jobs = mps.bundles("train", [run.run_id for run in mps.runs])
-    assert sorted(map(len, jobs)) == [2, 4, 4, 4, 4, 4, 4, 4] and mps.resources_for("train", None)["cpus"] == 2
-    assert {run.config["train"]["mixed_precision"] for run in mps.runs} == {"bf16"}
-    assert mps.results != smol.results

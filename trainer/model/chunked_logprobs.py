@@ -8,8 +8,9 @@ saved hidden states. Values and gradients are those of the naive computation (th
 both); the price is one extra matmul per chunk in the backward pass. Each chunk's work is a function
 of its own, so that its [chunk, V] buffers are freed before the next chunk's are made: a loop's
 variables would keep the last chunk's alive while the next one is computed (on an H100 that was
-1.2 GB of a 0.5B model's 6.6 GB peak), and the entropy is taken a few rows at a time, since the
-probabilities of a whole chunk would be a second [chunk, V] buffer.
+1,190 MiB of a 0.5B model's 6,560 MiB peak). From a chunk's logits, the log-sum-exp, the log-prob
+and the entropy are taken a few rows at a time: logsumexp's own scratch and the probabilities of a
+whole chunk would each be a second [chunk, V] buffer.
 
 Under autocast (bf16 mixed precision on one process) the backward pass recomputes the logits at the
 precision the forward pass computed them in (`Autocast`): autograd runs a backward outside the
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 DEFAULT_CHUNK = 1024
-ENTROPY_ROWS = 64  # rows of a chunk whose probabilities exist at once, for the entropy
+ROWS = 64  # rows of a chunk whose log-sum-exp scratch and probabilities exist at once
 
 
 def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
@@ -100,15 +101,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 def _forward_chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
                    logp: Tensor, lse: Tensor, entropy: Tensor | None) -> None:
-    """One chunk's log-probabilities and log-sum-exps (and entropies), written into the given rows."""
+    """One chunk's log-probabilities and log-sum-exps (and entropies), written into the given rows, `ROWS`
+    rows of its logits at a time."""
     logits = _logits(hidden, weight, bias, temperature)
-    lse.copy_(torch.logsumexp(logits, dim=-1))
-    logp.copy_(logits.gather(-1, targets[:, None]).squeeze(-1) - lse)
-    if entropy is not None:  # from the same chunk of logits: H = lse - sum(p * logits)
-        for start in range(0, logits.shape[0], ENTROPY_ROWS):
-            rows = slice(start, start + ENTROPY_ROWS)
-            probs = logits[rows].sub(lse[rows, None]).exp_()
-            entropy[rows] = lse[rows] - (probs * logits[rows]).sum(-1)
+    for start in range(0, logits.shape[0], ROWS):
+        rows = slice(start, start + ROWS)
+        block = logits[rows]
+        lse[rows] = torch.logsumexp(block, dim=-1)
+        logp[rows] = block.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+        if entropy is not None:  # from the same logits: H = lse - sum(p * logits)
+            probs = block.sub(lse[rows, None]).exp_()
+            entropy[rows] = lse[rows] - (probs * block).sum(-1)
 
 
 def _backward_chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, grad_logp: Tensor,
