@@ -23,27 +23,28 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def blocks_at_peak(events: list[dict]) -> tuple[int, int, list[dict]]:
-    """(peak bytes, the index of the event that reached it, the allocations alive then) of an allocator
-    history: an `alloc` holds its block until its `free_requested` (the tensor's release)."""
+def _replay(events: list[dict]):
+    """(index, bytes allocated, the allocations alive) after each event of an allocator history: an `alloc`
+    holds its block until its `free_requested` (the tensor's release); frees of blocks allocated before the
+    history began are not counted."""
     live: dict[int, dict] = {}
-    total = peak = 0
-    peak_at = -1
+    total = 0
     for index, event in enumerate(events):
         if event["action"] == "alloc":
             live[event["addr"]] = event
             total += event["size"]
         elif event["action"] == "free_requested" and event["addr"] in live:
             total -= live.pop(event["addr"])["size"]
-        if total > peak:
-            peak, peak_at = total, index
-    alive: dict[int, dict] = {}
-    for event in events[:peak_at + 1]:
-        if event["action"] == "alloc":
-            alive[event["addr"]] = event
-        elif event["action"] == "free_requested":
-            alive.pop(event["addr"], None)
-    return peak, peak_at, list(alive.values())
+        yield index, total, live
+
+
+def blocks_at_peak(events: list[dict]) -> tuple[int, int, list[dict]]:
+    """(peak bytes, the index of the event that reached it, the allocations alive then) of an allocator
+    history, replayed once to find the peak and again up to it."""
+    peak, peak_at = max(((total, index) for index, total, _ in _replay(events)), key=lambda pair: pair[0],
+                        default=(0, -1))
+    alive = next((list(live.values()) for index, _, live in _replay(events) if index == peak_at), [])
+    return peak, peak_at, alive
 
 
 def site(event: dict, ours: tuple[str, ...] = ("/trainer/", "/benchmarks/")) -> str:
@@ -62,8 +63,9 @@ def by_site(blocks: list[dict]) -> list[tuple[str, int, int]]:
     size: collections.Counter = collections.Counter()
     count: collections.Counter = collections.Counter()
     for block in blocks:
-        size[site(block)] += block["size"]
-        count[site(block)] += 1
+        where = site(block)
+        size[where] += block["size"]
+        count[where] += 1
     return [(where, total, count[where]) for where, total in size.most_common()]
 
 
