@@ -6,7 +6,10 @@ server serving it and the paper's data sets on 127.0.0.1."""
 import copy
 import os
 import shutil
+import signal
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,35 @@ from trainer.rollout.base import Rollouts
 # inductor, the switch its own CPU CI uses: a SmolLM2 engine started in 3 to 4 minutes of compiling
 # (its compile cache does not load on this build), and the tests start several. Children inherit it.
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+
+
+# Job processes start warm: every `python -m trainer|eval` that a test starts, itself or through Snakemake, is
+# forked from a process that has imported torch, transformers and lm-eval (tests/warm_start/klstudy_warm_start.py
+# says how, and which processes keep their own start). KLSTUDY_WARM_START=0 turns it off.
+WARM_START = Path(__file__).resolve().parent / "warm_start"
+WARM_DIR = "KLSTUDY_WARM_DIR"
+
+
+def pytest_configure(config):
+    """Turns the warm start on for the processes this session starts (pytest-xdist's workers inherit it)."""
+    if os.environ.get("KLSTUDY_WARM_START") == "0" or os.environ.get(WARM_DIR):
+        return
+    config.warm_start_dir = tempfile.mkdtemp(prefix="klstudy-warm-")  # short: a socket's path has 107 bytes
+    os.environ[WARM_DIR] = config.warm_start_dir
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(WARM_START), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def pytest_unconfigure(config):
+    """Stops the session's zygotes (a zygote left alone would exit after an idle minute)."""
+    directory = getattr(config, "warm_start_dir", None)
+    if directory is None:
+        return
+    for pid_file in Path(directory).glob("*.pid"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        except (ValueError, ProcessLookupError):
+            pass
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 # The files whose tests run on the one-node SLURM cluster (the `slurm` fixture). `make test` spreads the suite

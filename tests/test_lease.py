@@ -67,10 +67,12 @@ def test_a_dead_process_on_this_host_is_a_stale_holder(tmp_path):
     Lease.acquire(tmp_path / "run").release()
 
 
-def test_a_second_trainer_stops_naming_the_holder_and_the_next_takes_over_once_it_is_killed(warm_model, tmp_path):
+def test_a_second_trainer_stops_naming_the_holder_and_the_next_takes_over_once_it_is_killed(warm_model, tmp_path,
+                                                                                             monkeypatch):
     """Two trainers on one run directory used to both run: their metrics lines interleaved (steps
     twice) and each overwrote the other's checkpoints. The holder is stopped (SIGSTOP) while the
     second one tries, so that it is alive however slowly the second one starts."""
+    monkeypatch.setenv("KLSTUDY_WARM_START", "0")  # the holder's pid and SIGSTOP: the process started here
     out = tmp_path / "run"
     steps = 30
     extra = {"train.steps": steps, "train.prompts_per_step": 2, "train.group_size": 2, "rollout.max_new_tokens": 2,

@@ -1,0 +1,140 @@
+"""The suite's warm start (tests/warm_start): a `python -m` process handed to a worker forked from a zygote
+behaves as the process would have: its arguments, directory, environment, stdin and stdout, its exit status,
+the signals sent to it, its death; libraries imported ahead see the environment the process has; a
+process that is not to be warm-started, or whose warm start is off, starts as usual. A probe module stands
+in for the trainer, and a small module for the libraries a zygote imports, so that these tests take seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+WARM_START = Path(__file__).resolve().parent / "warm_start"
+PROBE = """
+import json, os, signal, sys, time
+import imported_env
+mode = sys.argv[1]
+if mode == "report":
+    print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid(),
+                      "value": os.environ.get("PROBE_VALUE"), "at_import": imported_env.VALUE,
+                      "stdin": sys.stdin.read()}))
+    sys.exit(3)
+if mode == "term":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+with open(sys.argv[2], "w") as f:
+    f.write(str(os.getpid()))
+if mode == "abort":
+    os.abort()
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def warm(tmp_path):
+    """An environment whose `python -m probe` starts warm, with its own zygotes (stopped at the end)."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "probe.py").write_text(PROBE)
+    (tmp_path / "lib" / "imported_env.py").write_text("import os\nVALUE = os.environ.get('PROBE_VALUE')\n")
+    directory = Path(tempfile.mkdtemp(prefix="warm-test-"))  # short: a socket's path has 107 bytes
+    env = {**os.environ, "KLSTUDY_WARM_DIR": str(directory), "KLSTUDY_WARM_MODULES": "probe",
+           "KLSTUDY_WARM_PRELOAD": "imported_env", "PROBE_VALUE": "a",
+           "PYTHONPATH": os.pathsep.join([str(WARM_START), str(tmp_path / "lib")])}
+    env.pop("KLSTUDY_WARM_START", None)
+    yield env
+    for pid_file in directory.glob("*.pid"):
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def probe(env, *args, cwd=None, **popen):
+    return subprocess.Popen([sys.executable, "-m", "probe", *args], env=env, cwd=cwd, **popen)
+
+
+def zygotes(env) -> list[str]:
+    return sorted(path.name for path in Path(env["KLSTUDY_WARM_DIR"]).glob("*.sock"))
+
+
+def report(env, cwd):
+    process = probe(env, "report", "x y", cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    out, _ = process.communicate("hello", timeout=120)
+    return process, json.loads(out)
+
+
+def wait_for_file(path: Path) -> int:
+    deadline = time.monotonic() + 120
+    while not (path.is_file() and path.read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def gone(pid: int) -> bool:
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_warm_process_keeps_its_arguments_directory_environment_stdio_and_exit_status(warm, tmp_path):
+    for _ in range(2):
+        process, seen = report(warm, tmp_path)
+        assert process.returncode == 3
+        assert seen == {"argv": ["report", "x y"], "cwd": str(tmp_path), "pid": seen["pid"], "value": "a",
+                        "at_import": "a", "stdin": "hello"}
+        assert seen["pid"] != process.pid  # it ran in a worker, not in the process that was started
+    assert len(zygotes(warm)) == 1  # the second one was forked from the first one's zygote
+
+
+def test_libraries_imported_ahead_see_the_environment_of_the_process(warm, tmp_path):
+    report(warm, tmp_path)
+    _, seen = report({**warm, "PROBE_VALUE": "b"}, tmp_path)
+    assert (seen["value"], seen["at_import"]) == ("b", "b")
+    assert len(zygotes(warm)) == 2  # another environment, another zygote
+    _, seen = report({**warm, "PYTEST_CURRENT_TEST": "another test"}, tmp_path)
+    assert len(zygotes(warm)) == 2  # a variable nothing reads at import does not make a third
+
+
+def test_a_signal_to_the_process_reaches_the_worker_and_its_exit_is_the_process_exit(warm, tmp_path):
+    process = probe(warm, "term", str(tmp_path / "pid"))
+    worker = wait_for_file(tmp_path / "pid")
+    assert worker != process.pid
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 75
+
+
+def test_a_worker_killed_by_a_signal_kills_the_process_with_it(warm, tmp_path):
+    process = probe(warm, "abort", str(tmp_path / "pid"))
+    assert process.wait(timeout=120) == -signal.SIGABRT
+
+
+def test_a_killed_process_takes_its_worker_and_the_workers_children_with_it(warm, tmp_path):
+    process = probe(warm, "sleep", str(tmp_path / "pid"), start_new_session=True)
+    worker = wait_for_file(tmp_path / "pid")
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+    assert gone(worker)
+
+
+def test_off_or_not_wanted_a_process_starts_as_usual(warm, tmp_path):
+    for env in ({**warm, "KLSTUDY_WARM_START": "0"}, {**warm, "SLURM_JOB_ID": "7"}, {**warm, "WORLD_SIZE": "2"}):
+        process, seen = report(env, tmp_path)
+        assert (process.returncode, seen["pid"]) == (3, process.pid)
+    assert zygotes(warm) == []
+
+
+def test_a_later_sitecustomize_on_the_path_still_runs(warm, tmp_path):
+    (tmp_path / "spy").mkdir()
+    (tmp_path / "spy" / "sitecustomize.py").write_text(f"open({str(tmp_path / 'spied')!r}, 'w').close()\n")
+    process, _ = report({**warm, "PYTHONPATH": warm["PYTHONPATH"] + os.pathsep + str(tmp_path / "spy")}, tmp_path)
+    assert process.returncode == 3 and (tmp_path / "spied").exists()

@@ -1,0 +1,331 @@
+"""A warm start for the suite's job processes: `python -m trainer|eval ...` forked from a process that has
+already imported torch, transformers and lm-eval, in place of a fresh interpreter that imports them again.
+
+Why: the suite's studies start a few hundred such processes, and each spent 4-9 s of CPU importing the same
+libraries before doing a second of work. Only the test suite uses this (tests/conftest.py turns it on; the
+product's commands are unchanged), and what runs is the job's own code, from the same interpreter.
+
+How a job process goes:
+- Python runs this directory's sitecustomize (PYTHONPATH), which calls `hand_off`. A process that is not
+  `python -m trainer|eval`, or runs in a SLURM job or a distributed launch, goes on as usual.
+- The *zygote* for the process's module and environment is found by a key: the interpreter, the module
+  and every environment variable but a few that no library reads at import (IGNORED). A library that reads
+  a variable as it is imported (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...) thus finds the job's own value.
+  No zygote for the key: this process starts one and waits for it to have imported.
+- The process (the *client*) sends the zygote its argv, environment, working directory and umask, and its
+  stdin, stdout and stderr as file descriptors. The zygote forks a *reaper*, which forks the *worker*: the
+  worker takes the client's stdio, environment and directory, and runs the module as `python -m` would.
+- The client stays as the job's process. Signals sent to it (TERM, INT, HUP, QUIT, USR1, USR2) go on to the
+  worker. When the worker ends, the client ends the same way: its exit status, or killed by its signal.
+  When the client dies (SIGKILL to a job's process group), the reaper kills the worker's process group.
+
+Anything that goes wrong before the worker starts falls back to the ordinary start, so a broken warm start
+costs time, never a result. KLSTUDY_WARM_START=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+
+DIR_VARIABLE = "KLSTUDY_WARM_DIR"  # where zygotes keep their sockets, pids and logs; set by tests/conftest.py
+MODULES = ("trainer", "eval")  # the `python -m` commands that are handed off (KLSTUDY_WARM_MODULES: others)
+# Environment variables that vary between the processes of one study and that nothing reads at import time.
+IGNORED = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PWD", "OLDPWD", "SHLVL", "_"})
+# A process of a SLURM job or of a distributed launch keeps its own start: its signals, cgroup and ranks are
+# what those tests are about.
+NOT_IN = ("SLURM_JOB_ID", "WORLD_SIZE", "LOCAL_RANK")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# What a zygote imports for each module (KLSTUDY_WARM_PRELOAD: other modules, comma-separated): what the
+# module's commands that load a model import, in their order (one zygote per module: lm-eval, which only the
+# evaluation loads, sets a variable as it loads). `name:function` also calls the function: the trainer's
+# quieting sets the variables that transformers and the hub client read as they load.
+_LIBRARIES = ("torch", "transformers", "transformers.models.llama.modeling_llama",
+              "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto", "accelerate",
+              "safetensors.torch", "yaml", "numpy")
+PRELOAD = {"trainer": ("trainer.__main__:_quiet_libraries", *_LIBRARIES),
+           "eval": ("eval", *_LIBRARIES, "lm_eval", "lm_eval.evaluator", "lm_eval.models.huggingface")}
+IDLE_S = 60.0  # a zygote that has forked nothing for this long exits (each holds 0.6-0.8 GB)
+READY_S = 300.0  # how long a client waits for a new zygote's imports
+
+
+def _key(module: str, environ: dict[str, str]) -> str:
+    kept = sorted((k, v) for k, v in environ.items() if k not in IGNORED)
+    return hashlib.sha256(json.dumps([sys.executable, module, kept]).encode()).hexdigest()[:20]
+
+
+def _wanted() -> str | None:
+    """The module to hand off, if this process should be warm-started."""
+    argv = getattr(sys, "orig_argv", [])
+    directory = os.environ.get(DIR_VARIABLE)
+    modules = os.environ.get("KLSTUDY_WARM_MODULES", ",".join(MODULES)).split(",")
+    if (not directory or os.environ.get("KLSTUDY_WARM_START") == "0" or len(argv) < 3 or argv[1] != "-m"
+            or argv[2] not in modules or any(name in os.environ for name in NOT_IN)):
+        return None
+    return argv[2] if os.path.isdir(directory) else None
+
+
+def _send(conn: socket.socket, payload: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(payload).encode()
+    message = struct.pack("!I", len(data)) + data
+    if fds:
+        conn.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        conn.sendall(message)
+
+
+def _exactly(conn: socket.socket, size: int, data: bytes = b"") -> bytes:
+    while len(data) < size:
+        more = conn.recv(size - len(data))
+        if not more:
+            raise ConnectionError("message cut short")
+        data += more
+    return data
+
+
+def _receive(conn: socket.socket, with_fds: int = 0) -> tuple[dict, list[int]]:
+    """One message, read to its end and no further (what follows it is the client's signals, or the end)."""
+    fds = array.array("i")
+    head, ancillary, _, _ = conn.recvmsg(4, socket.CMSG_LEN(with_fds * fds.itemsize) if with_fds else 0)
+    for level, kind, item in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(item[: len(item) - len(item) % fds.itemsize])
+    (size,) = struct.unpack("!I", _exactly(conn, 4, head))
+    return json.loads(_exactly(conn, size)), list(fds)
+
+
+# The client: the job's own process.
+
+def _connect(path: str) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        return conn
+    except OSError:
+        conn.close()
+        return None
+
+
+def _zygote_socket(directory: str, module: str, key: str) -> socket.socket | None:
+    """A connection to the zygote of `key`, started (by this process, under a lock) if there is none."""
+    import fcntl
+    import subprocess
+    import time
+
+    path = os.path.join(directory, f"{key}.sock")
+    conn = _connect(path)
+    if conn is not None:
+        return conn
+    with open(os.path.join(directory, f"{key}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        conn = _connect(path)
+        if conn is not None:
+            return conn
+        with open(os.path.join(directory, f"{key}.log"), "ab") as log:
+            zygote = subprocess.Popen([sys.executable, os.path.abspath(__file__), path, module],
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + READY_S
+        while time.monotonic() < deadline and zygote.poll() is None:
+            conn = _connect(path)
+            if conn is not None:
+                return conn
+            time.sleep(0.05)
+    return None
+
+
+def hand_off() -> None:
+    """Called by sitecustomize: run this `python -m trainer|eval` process in a warm worker and exit as it
+    exits; return (and let Python start as usual) when it is not one, or when the warm start fails."""
+    module = _wanted()
+    if module is None:
+        return
+    try:
+        conn = _zygote_socket(os.environ[DIR_VARIABLE], module, _key(module, dict(os.environ)))
+        if conn is None:
+            return
+        umask = os.umask(0)
+        os.umask(umask)
+        conn.settimeout(READY_S)
+        _send(conn, {"module": module, "args": sys.orig_argv[3:], "env": dict(os.environ), "cwd": os.getcwd(),
+                     "umask": umask}, fds=[0, 1, 2])
+        started, _ = _receive(conn)
+        conn.settimeout(None)
+    except (OSError, ValueError):
+        return
+    if not started.get("started"):
+        return
+    os._exit(_relay(conn))  # from here on this process never runs the module itself
+
+
+def _relay(conn: socket.socket) -> int:
+    """Passes this process's signals on to the worker until it ends, and returns its exit status (or dies of
+    its signal)."""
+
+    def forward(number, _frame):
+        try:
+            conn.sendall(struct.pack("!i", number))
+        except OSError:  # the reaper is gone; its end (or EOF) is what comes next
+            pass
+
+    for number in FORWARDED:
+        signal.signal(number, forward)
+    status = b""
+    try:
+        while chunk := conn.recv(64):  # the worker's end, or EOF where the reaper died without saying
+            status += chunk
+        end = json.loads(status)
+    except (OSError, ValueError):
+        end = {"exit": 1}
+    if "signal" in end:
+        signal.signal(end["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), end["signal"])
+        return 128 + end["signal"]
+    return end["exit"]
+
+
+# The zygote, its reapers and its workers.
+
+def _serve(path: str, module: str) -> dict | None:
+    """Imports the libraries, then forks a reaper per connection until idle. Returns only in a worker, with
+    the client's request, for the caller to run outside of every frame of this loop."""
+    import importlib
+    import threading
+    import time
+
+    began, before = time.monotonic(), dict(os.environ)
+    preload = os.environ.get("KLSTUDY_WARM_PRELOAD")
+    for step in preload.split(",") if preload else PRELOAD.get(module, ()):
+        name, _, function = step.partition(":")
+        try:
+            loaded = importlib.import_module(name)
+            if function:
+                getattr(loaded, function)()
+        except Exception as error:  # noqa: BLE001 - a library that fails here fails (or not) in the worker
+            print(f"warm start: not preloaded: {name}: {error!r}", file=sys.stderr, flush=True)
+        if name.endswith(".__main__"):  # runpy runs it again as __main__, and warns if it finds it loaded
+            sys.modules.pop(name, None)
+    # What the imports did to the environment, done again in each worker (whose environment is its client's).
+    changes = {key: value for key, value in os.environ.items() if before.get(key) != value}
+    removed = [key for key in before if key not in os.environ]
+    print(f"warm start: pid {os.getpid()} imported for {module} in {time.monotonic() - began:.1f} s, "
+          f"{threading.active_count()} Python thread(s)", file=sys.stderr, flush=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if os.path.exists(path + ".new"):
+        os.unlink(path + ".new")
+    listener.bind(path + ".new")
+    os.rename(path + ".new", path)
+    listener.listen(64)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # reapers end on their own; nobody waits for them
+    with open(path.removesuffix(".sock") + ".pid", "w") as pid_file:
+        pid_file.write(str(os.getpid()))
+    idle = False
+    while True:
+        if not select.select([listener], [], [], 0 if idle else IDLE_S)[0]:
+            if idle:
+                os.unlink(path.removesuffix(".sock") + ".pid")  # (its pid may be another process's later)
+                return None
+            if os.path.exists(path):
+                os.unlink(path)  # no new client from here on; those already queued are still served
+            idle = True
+            continue
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            request = _reap(conn)
+            request["env"] = {key: value for key, value in {**request["env"], **changes}.items()
+                              if key not in removed}
+            return request
+        conn.close()
+
+
+def _reap(conn: socket.socket) -> dict:
+    """The reaper: forks the worker, passes on the client's signals, and tells the client how the worker
+    ended. Returns (only in the worker) the request the worker is to run."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        request, fds = _receive(conn, with_fds=3)
+    except (OSError, ValueError):
+        os._exit(1)
+    worker = os.fork()
+    if worker == 0:
+        conn.close()
+        os.setpgid(0, 0)  # the worker's group stands for the job's: killed whole when the client dies
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        return request
+    try:
+        _supervise(conn, worker, fds)
+    finally:
+        os._exit(0)  # a reaper never goes back to the zygote's loop
+
+
+def _supervise(conn: socket.socket, worker: int, fds: list[int]) -> None:
+    """The reaper's work: the worker started, the client's signals passed on, the worker's end told."""
+    try:
+        os.setpgid(worker, worker)  # (both sides: killpg below must find the group even if the worker is slow)
+    except OSError:
+        pass
+    for fd in fds:
+        os.close(fd)
+    try:
+        _send(conn, {"started": True, "pid": worker})
+    except OSError:  # the client is gone: the loop below finds it so
+        pass
+    pidfd = os.pidfd_open(worker)
+    while True:
+        readable = select.select([conn, pidfd], [], [])[0]
+        if pidfd in readable:
+            break
+        try:
+            data = conn.recv(4)
+        except OSError:
+            data = b""
+        if len(data) < 4:  # the client is gone: so is the job's process group
+            try:
+                os.killpg(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            break
+        try:
+            os.kill(worker, struct.unpack("!i", data)[0])
+        except ProcessLookupError:
+            pass
+    _, status = os.waitpid(worker, 0)
+    end = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.waitstatus_to_exitcode(status)}
+    try:
+        conn.sendall(json.dumps(end).encode())
+    except OSError:
+        pass
+
+
+def _run_worker(request: dict) -> None:
+    """Becomes `python -m <module> <args>` in the client's directory and environment."""
+    import random
+    import runpy
+
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    sys.path[0] = request["cwd"]  # what `python -m` puts first
+    for stream, fd in ((sys.stdin, 0), (sys.stdout, 1)):
+        stream.reconfigure(line_buffering=os.isatty(fd))
+    random.seed()  # each process its own, as a fresh interpreter would have
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.argv = [request["module"], *request["args"]]
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    worker_request = _serve(sys.argv[1], sys.argv[2])
+    if worker_request is not None:
+        _run_worker(worker_request)
