@@ -12,9 +12,9 @@ How a job process goes:
   and every environment variable but a few that no library reads at import (IGNORED). A library that reads
   a variable as it is imported (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...) thus finds the job's own value.
   No zygote for the key: this process starts one and waits for it to have imported.
-- The process (the *client*) sends the zygote its argv, environment, working directory and umask, and its
-  stdin, stdout and stderr as file descriptors. The zygote forks a *reaper*, which forks the *worker*: the
-  worker takes the client's stdio, environment and directory, and runs the module as `python -m` would.
+- The process (the *client*) sends the zygote its argv, environment, working directory, umask and ignored
+  signals, and its stdin, stdout and stderr as file descriptors. The zygote forks a *reaper*, which forks
+  the *worker*: the worker takes all of these, and runs the module as `python -m` would.
 - The client stays as the job's process. Signals sent to it (TERM, INT, HUP, QUIT, USR1, USR2) go on to the
   worker. When the worker ends, the client ends the same way: its exit status, or killed by its signal.
   When the client dies (SIGKILL to a job's process group), the reaper kills the worker's process group.
@@ -153,18 +153,19 @@ def hand_off() -> None:
         umask = os.umask(0)
         os.umask(umask)
         conn.settimeout(READY_S)
+        ignored = [number for number in FORWARDED if signal.getsignal(number) == signal.SIG_IGN]
         _send(conn, {"module": module, "args": sys.orig_argv[3:], "env": dict(os.environ), "cwd": os.getcwd(),
-                     "umask": umask}, fds=[0, 1, 2])
+                     "umask": umask, "ignored": ignored}, fds=[0, 1, 2])
         started, _ = _receive(conn)
         conn.settimeout(None)
     except (OSError, ValueError):
         return
     if not started.get("started"):
         return
-    os._exit(_relay(conn))  # from here on this process never runs the module itself
+    os._exit(_relay(conn, ignored))  # from here on this process never runs the module itself
 
 
-def _relay(conn: socket.socket) -> int:
+def _relay(conn: socket.socket, ignored: list[int]) -> int:
     """Passes this process's signals on to the worker until it ends, and returns its exit status (or dies of
     its signal)."""
 
@@ -175,7 +176,8 @@ def _relay(conn: socket.socket) -> int:
             pass
 
     for number in FORWARDED:
-        signal.signal(number, forward)
+        if number not in ignored:  # a signal this process ignores, its worker ignores too
+            signal.signal(number, forward)
     status = b""
     try:
         while chunk := conn.recv(64):  # the worker's end, or EOF where the reaper died without saying
@@ -315,6 +317,9 @@ def _run_worker(request: dict) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     os.umask(request["umask"])
+    for number in FORWARDED:  # the client's ignored signals (inherited, as ignored signals are), not the zygote's
+        default = signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL
+        signal.signal(number, signal.SIG_IGN if number in request["ignored"] else default)
     sys.path[0] = request["cwd"]  # what `python -m` puts first
     for stream, fd in ((sys.stdin, 0), (sys.stdout, 1)):
         stream.reconfigure(line_buffering=os.isatty(fd))
