@@ -113,17 +113,21 @@ def test_a_signal_to_the_process_reaches_the_worker_and_its_exit_is_the_process_
     assert process.wait(timeout=60) == 75
 
 
+IGNORE, DEFAULT = signal.SIG_IGN, signal.SIG_DFL
+
+
 def test_a_process_ignores_the_signals_it_inherited_as_ignored_and_no_others(warm, tmp_path):
     """Ignored signals are inherited: a zygote started by a process that ignored SIGINT (a pytest-xdist
     worker's child, say) must not make a later process, which did not, ignore Ctrl-C."""
-    ignoring = {"preexec_fn": lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)}
-    first = probe(warm, "sleep", str(tmp_path / "first"), **ignoring)
+    first = probe(warm, "sleep", str(tmp_path / "first"), preexec_fn=lambda: signal.signal(signal.SIGINT, IGNORE))
     wait_for_file(tmp_path / "first")
     first.send_signal(signal.SIGINT)
     time.sleep(1)
     assert first.poll() is None  # ignored, as it would be in the process itself
     first.kill()
-    second = probe(warm, "sleep", str(tmp_path / "second"), stderr=subprocess.PIPE, text=True)
+    first.wait(timeout=60)
+    second = probe(warm, "sleep", str(tmp_path / "second"), stderr=subprocess.PIPE, text=True,
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, DEFAULT))  # (xdist's workers ignore it)
     wait_for_file(tmp_path / "second")
     second.send_signal(signal.SIGINT)
     _, stderr = second.communicate(timeout=60)
