@@ -28,6 +28,10 @@ if mode == "report":
                       "value": os.environ.get("PROBE_VALUE"), "at_import": imported_env.VALUE,
                       "stdin": sys.stdin.read()}))
     sys.exit(3)
+if mode == "once":
+    with open(sys.argv[2], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    sys.exit(0)
 if mode == "term":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
 with open(sys.argv[2], "w") as f:
@@ -133,6 +137,21 @@ def test_a_process_ignores_the_signals_it_inherited_as_ignored_and_no_others(war
     _, stderr = second.communicate(timeout=60)
     assert second.returncode == -signal.SIGINT and "KeyboardInterrupt" in stderr
     assert len(zygotes(warm)) == 1
+
+
+def test_a_process_that_gave_up_waiting_runs_its_module_itself_and_no_worker_runs_it_again(warm, tmp_path):
+    report(warm, tmp_path)  # a zygote, started
+    zygote = int(next(Path(warm["KLSTUDY_WARM_DIR"]).glob("*.pid")).read_text())
+    os.kill(zygote, signal.SIGSTOP)  # it accepts nothing: the next process waits a second, gives up, runs itself
+    try:
+        process = probe({**warm, "KLSTUDY_WARM_READY_S": "1"}, "once", str(tmp_path / "runs"))
+        assert process.wait(timeout=60) == 0
+    finally:
+        os.kill(zygote, signal.SIGCONT)  # now it takes that connection, late: its reaper must start nothing
+    _, seen = report(warm, tmp_path)  # (taken after the late one)
+    time.sleep(1)
+    assert (tmp_path / "runs").read_text().split() == [str(process.pid)]
+    assert seen["pid"] != process.pid
 
 
 def test_a_worker_killed_by_a_signal_kills_the_process_with_it(warm, tmp_path):

@@ -13,8 +13,11 @@ How a job process goes:
   a variable as it is imported (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...) thus finds the job's own value.
   No zygote for the key: this process starts one and waits for it to have imported.
 - The process (the *client*) sends the zygote its argv, environment, working directory, umask and ignored
-  signals, and its stdin, stdout and stderr as file descriptors. The zygote forks a *reaper*, which forks
-  the *worker*: the worker takes all of these, and runs the module as `python -m` would.
+  signals, and its stdin, stdout and stderr as file descriptors. The zygote forks a *reaper*, which says it
+  is ready. Only then does the client say go, and from then on it is committed: it never starts the module
+  itself. The reaper forks the *worker* only on that go (a client that gave up waiting closes its socket and
+  goes on as usual, and the reaper ends: one job never runs twice). The worker takes all of these, and runs
+  the module as `python -m` would.
 - The client stays as the job's process. Signals sent to it (TERM, INT, HUP, QUIT, USR1, USR2) go on to the
   worker. When the worker ends, the client ends the same way: its exit status, or killed by its signal.
   When the client dies (SIGKILL to a job's process group), the reaper kills the worker's process group.
@@ -38,7 +41,8 @@ import sys
 DIR_VARIABLE = "KLSTUDY_WARM_DIR"  # where zygotes keep their sockets, pids and logs; set by tests/conftest.py
 MODULES = ("trainer", "eval")  # the `python -m` commands that are handed off (KLSTUDY_WARM_MODULES: others)
 # Environment variables that vary between the processes of one study and that nothing reads at import time.
-IGNORED = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PWD", "OLDPWD", "SHLVL", "_"})
+IGNORED = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PWD", "OLDPWD", "SHLVL", "_",
+                     "KLSTUDY_WARM_READY_S"})
 # A process of a SLURM job or of a distributed launch keeps its own start: its signals, cgroup and ranks are
 # what those tests are about.
 NOT_IN = ("SLURM_JOB_ID", "WORLD_SIZE", "LOCAL_RANK")
@@ -53,7 +57,9 @@ _LIBRARIES = ("torch", "transformers", "transformers.models.llama.modeling_llama
 PRELOAD = {"trainer": ("trainer.__main__:_quiet_libraries", *_LIBRARIES),
            "eval": ("eval", *_LIBRARIES, "lm_eval", "lm_eval.evaluator", "lm_eval.models.huggingface")}
 IDLE_S = 60.0  # a zygote that has forked nothing for this long exits (each holds 0.6-0.8 GB)
-READY_S = 300.0  # how long a client waits for a new zygote's imports
+# How long a client waits for a new zygote's imports, and then for its reaper (KLSTUDY_WARM_READY_S: a test's).
+READY_S = float(os.environ.get("KLSTUDY_WARM_READY_S", "300"))
+GO = struct.pack("!i", 0)  # the client's go: the worker may start (what follows are signal numbers, never 0)
 
 
 def _key(module: str, environ: dict[str, str]) -> str:
@@ -148,19 +154,24 @@ def hand_off() -> None:
         return
     try:
         conn = _zygote_socket(os.environ[DIR_VARIABLE], module, _key(module, dict(os.environ)))
-        if conn is None:
-            return
+    except OSError:
+        return
+    if conn is None:
+        return
+    try:
         umask = os.umask(0)
         os.umask(umask)
         conn.settimeout(READY_S)
         ignored = [number for number in FORWARDED if signal.getsignal(number) == signal.SIG_IGN]
         _send(conn, {"module": module, "args": sys.orig_argv[3:], "env": dict(os.environ), "cwd": os.getcwd(),
                      "umask": umask, "ignored": ignored}, fds=[0, 1, 2])
-        started, _ = _receive(conn)
+        ready, _ = _receive(conn)
+        if not ready.get("ready"):
+            raise ValueError(ready)
         conn.settimeout(None)
+        conn.sendall(GO)
     except (OSError, ValueError):
-        return
-    if not started.get("started"):
+        conn.close()  # before this process starts the module itself: a reaper that is late sees EOF, not go
         return
     os._exit(_relay(conn, ignored))  # from here on this process never runs the module itself
 
@@ -253,7 +264,10 @@ def _reap(conn: socket.socket) -> dict:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         request, fds = _receive(conn, with_fds=3)
-    except (OSError, ValueError):
+        _send(conn, {"ready": True})
+        if _exactly(conn, len(GO)) != GO:
+            raise ValueError("no go")
+    except (OSError, ValueError):  # the client gave up (and runs the module itself) or is gone
         os._exit(1)
     worker = os.fork()
     if worker == 0:
@@ -270,17 +284,13 @@ def _reap(conn: socket.socket) -> dict:
 
 
 def _supervise(conn: socket.socket, worker: int, fds: list[int]) -> None:
-    """The reaper's work: the worker started, the client's signals passed on, the worker's end told."""
+    """The reaper's work: the client's signals passed on to the worker, and the worker's end told."""
     try:
         os.setpgid(worker, worker)  # (both sides: killpg below must find the group even if the worker is slow)
     except OSError:
         pass
     for fd in fds:
         os.close(fd)
-    try:
-        _send(conn, {"started": True, "pid": worker})
-    except OSError:  # the client is gone: the loop below finds it so
-        pass
     pidfd = os.pidfd_open(worker)
     while True:
         readable = select.select([conn, pidfd], [], [])[0]
