@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -37,12 +38,22 @@ def pytest_configure(config):
     if os.environ.get("KLSTUDY_WARM_START") == "0" or os.environ.get(WARM_DIR):
         return
     config.warm_start_dir = tempfile.mkdtemp(prefix="klstudy-warm-")  # short: a socket's path has 107 bytes
+    if not start_warm_broker(config.warm_start_dir):
+        print(f"warm start: off, its broker did not start (see {config.warm_start_dir})")
+        return
     os.environ[WARM_DIR] = config.warm_start_dir
     os.environ["PYTHONPATH"] = os.pathsep.join([str(WARM_START), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+def start_warm_broker(directory: str) -> bool:
+    """Starts the process that starts the zygotes of `directory`, outside of every job; whether it listens."""
+    with open(os.path.join(directory, "broker.log"), "ab") as log:
+        return subprocess.run([sys.executable, str(WARM_START / "klstudy_warm_start.py"), "--broker", directory],
+                              stdout=subprocess.DEVNULL, stderr=log).returncode == 0
+
+
 def pytest_unconfigure(config):
-    """Stops the session's zygotes (a zygote left alone would exit after an idle minute)."""
+    """Stops the session's broker and zygotes (a zygote left alone would exit after an idle minute)."""
     directory = getattr(config, "warm_start_dir", None)
     if directory is None:
         return

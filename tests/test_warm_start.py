@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import start_warm_broker
 
 WARM_START = Path(__file__).resolve().parent / "warm_start"
 PROBE = """
@@ -26,12 +27,18 @@ mode = sys.argv[1]
 if mode == "report":
     print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid(),
                       "value": os.environ.get("PROBE_VALUE"), "at_import": imported_env.VALUE,
-                      "stdin": sys.stdin.read()}))
+                      "job": os.environ.get("SLURM_JOB_ID"), "stdin": sys.stdin.read()}))
     sys.exit(3)
 if mode == "once":
     with open(sys.argv[2], "a") as f:
         f.write(f"{os.getpid()}\\n")
     sys.exit(0)
+if mode == "count":
+    for tick in range(10**6):
+        with open(sys.argv[2] + ".new", "w") as f:
+            f.write(str(tick))
+        os.replace(sys.argv[2] + ".new", sys.argv[2])
+        time.sleep(0.05)
 if mode == "term":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
 with open(sys.argv[2], "w") as f:
@@ -49,6 +56,7 @@ def warm(tmp_path):
     (tmp_path / "lib" / "probe.py").write_text(PROBE)
     (tmp_path / "lib" / "imported_env.py").write_text("import os\nVALUE = os.environ.get('PROBE_VALUE')\n")
     directory = Path(tempfile.mkdtemp(prefix="warm-test-"))  # short: a socket's path has 107 bytes
+    assert start_warm_broker(str(directory))
     env = {**os.environ, "KLSTUDY_WARM_DIR": str(directory), "KLSTUDY_WARM_MODULES": "probe",
            "KLSTUDY_WARM_PRELOAD": "imported_env", "PROBE_VALUE": "a",
            "PYTHONPATH": os.pathsep.join([str(WARM_START), str(tmp_path / "lib")])}
@@ -64,7 +72,7 @@ def probe(env, *args, cwd=None, **popen):
 
 
 def zygotes(env) -> list[str]:
-    return sorted(path.name for path in Path(env["KLSTUDY_WARM_DIR"]).glob("*.sock"))
+    return sorted(path.name for path in Path(env["KLSTUDY_WARM_DIR"]).glob("*.sock") if path.name != "broker.sock")
 
 
 def report(env, cwd):
@@ -95,7 +103,7 @@ def test_a_warm_process_keeps_its_arguments_directory_environment_stdio_and_exit
         process, seen = report(warm, tmp_path)
         assert process.returncode == 3
         assert seen == {"argv": ["report", "x y"], "cwd": str(tmp_path), "pid": seen["pid"], "value": "a",
-                        "at_import": "a", "stdin": "hello"}
+                        "at_import": "a", "job": None, "stdin": "hello"}
         assert seen["pid"] != process.pid  # it ran in a worker, not in the process that was started
     assert len(zygotes(warm)) == 1  # the second one was forked from the first one's zygote
 
@@ -141,7 +149,8 @@ def test_a_process_ignores_the_signals_it_inherited_as_ignored_and_no_others(war
 
 def test_a_process_that_gave_up_waiting_runs_its_module_itself_and_no_worker_runs_it_again(warm, tmp_path):
     report(warm, tmp_path)  # a zygote, started
-    zygote = int(next(Path(warm["KLSTUDY_WARM_DIR"]).glob("*.pid")).read_text())
+    (zygote,) = (int(path.read_text()) for path in Path(warm["KLSTUDY_WARM_DIR"]).glob("*.pid")
+                 if path.name != "broker.pid")
     os.kill(zygote, signal.SIGSTOP)  # it accepts nothing: the next process waits a second, gives up, runs itself
     try:
         process = probe({**warm, "KLSTUDY_WARM_READY_S": "1"}, "once", str(tmp_path / "runs"))
@@ -167,11 +176,48 @@ def test_a_killed_process_takes_its_worker_and_the_workers_children_with_it(warm
     assert gone(worker)
 
 
-def test_off_or_not_wanted_a_process_starts_as_usual(warm, tmp_path):
-    for env in ({**warm, "KLSTUDY_WARM_START": "0"}, {**warm, "SLURM_JOB_ID": "7"}, {**warm, "WORLD_SIZE": "2"}):
-        process, seen = report(env, tmp_path)
-        assert (process.returncode, seen["pid"]) == (3, process.pid)
-    assert zygotes(warm) == []
+def test_off_not_wanted_or_without_a_broker_a_process_starts_as_usual(warm, tmp_path):
+    no_broker = tempfile.mkdtemp(prefix="warm-test-")
+    try:
+        for env in ({**warm, "KLSTUDY_WARM_START": "0"}, {**warm, "WORLD_SIZE": "2"}, {**warm, "LOCAL_RANK": "0"},
+                    {**warm, "KLSTUDY_WARM_DIR": no_broker}):
+            process, seen = report(env, tmp_path)
+            assert (process.returncode, seen["pid"]) == (3, process.pid)
+        assert zygotes(warm) == [] and not list(Path(no_broker).glob("*.sock"))
+    finally:
+        shutil.rmtree(no_broker)
+
+
+def test_the_jobs_of_a_slurm_study_share_a_zygote_that_none_of_their_process_trees_holds(warm, tmp_path):
+    """SLURM ends a job by killing its processes: the zygote, which later jobs fork from, is the broker's child.
+    A job's own variables (its id, submitit's folder) do not make a zygote of their own."""
+    for job in ("7", "8"):
+        process, seen = report({**warm, "SLURM_JOB_ID": job, "SUBMITIT_FOLDER": f"/jobs/{job}"}, tmp_path)
+        assert (process.returncode, seen["job"]) == (3, job) and seen["pid"] != process.pid
+    assert len(zygotes(warm)) == 1
+    directory = Path(warm["KLSTUDY_WARM_DIR"])
+    (zygote,) = (int(path.read_text()) for path in directory.glob("*.pid") if path.name != "broker.pid")
+    parent = int(Path(f"/proc/{zygote}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert parent == int((directory / "broker.pid").read_text())
+
+
+def test_a_stopped_process_stops_its_worker_until_it_continues(warm, tmp_path):
+    """A stop (SIGSTOP, Ctrl-Z, `scontrol suspend`) cannot be caught and passed on: the reaper sees it."""
+    ticks = tmp_path / "ticks"
+    process = probe(warm, "count", str(ticks))
+    try:
+        wait_for_file(ticks)
+        process.send_signal(signal.SIGSTOP)
+        time.sleep(1)
+        stopped_at = int(ticks.read_text())
+        time.sleep(1)
+        assert int(ticks.read_text()) == stopped_at
+        process.send_signal(signal.SIGCONT)
+        time.sleep(1)
+        assert int(ticks.read_text()) > stopped_at + 5
+    finally:
+        process.kill()
+        process.wait(timeout=60)
 
 
 def test_a_later_sitecustomize_on_the_path_still_runs(warm, tmp_path):

@@ -7,11 +7,14 @@ product's commands are unchanged), and what runs is the job's own code, from the
 
 How a job process goes:
 - Python runs this directory's sitecustomize (PYTHONPATH), which calls `hand_off`. A process that is not
-  `python -m trainer|eval`, or runs in a SLURM job or a distributed launch, goes on as usual.
+  `python -m trainer|eval`, or is one rank of a distributed launch, goes on as usual.
 - The *zygote* for the process's module and environment is found by a key: the interpreter, the module
-  and every environment variable but a few that no library reads at import (IGNORED). A library that reads
-  a variable as it is imported (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...) thus finds the job's own value.
-  No zygote for the key: this process starts one and waits for it to have imported.
+  and every environment variable but those that differ between one study's jobs and that no library reads
+  at import (IGNORED: a SLURM job's own variables among them). A library that reads a variable as it is
+  imported (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...) thus finds the job's own value. No zygote for the key:
+  this process asks the *broker* to start one, and waits for it to have imported. The broker, started by
+  tests/conftest.py outside of every job, is the zygotes' parent: a zygote asked for by a SLURM job does not
+  end with that job's processes.
 - The process (the *client*) sends the zygote its argv, environment, working directory, umask and ignored
   signals, and its stdin, stdout and stderr as file descriptors. The zygote forks a *reaper*, which says it
   is ready. Only then does the client say go, and from then on it is committed: it never starts the module
@@ -21,6 +24,8 @@ How a job process goes:
 - The client stays as the job's process. Signals sent to it (TERM, INT, HUP, QUIT, USR1, USR2) go on to the
   worker. When the worker ends, the client ends the same way: its exit status, or killed by its signal.
   When the client dies (SIGKILL to a job's process group), the reaper kills the worker's process group.
+  When the client is stopped (SIGSTOP, Ctrl-Z, `scontrol suspend`), so is the worker's group, until the
+  client continues.
 
 Anything that goes wrong before the worker starts falls back to the ordinary start, so a broken warm start
 costs time, never a result. KLSTUDY_WARM_START=0 turns it off.
@@ -39,13 +44,17 @@ import struct
 import sys
 
 DIR_VARIABLE = "KLSTUDY_WARM_DIR"  # where zygotes keep their sockets, pids and logs; set by tests/conftest.py
+BROKER = "broker.sock"  # in that directory: the broker, which starts zygotes
 MODULES = ("trainer", "eval")  # the `python -m` commands that are handed off (KLSTUDY_WARM_MODULES: others)
 # Environment variables that vary between the processes of one study and that nothing reads at import time.
 IGNORED = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PWD", "OLDPWD", "SHLVL", "_",
                      "KLSTUDY_WARM_READY_S"})
-# A process of a SLURM job or of a distributed launch keeps its own start: its signals, cgroup and ranks are
-# what those tests are about.
-NOT_IN = ("SLURM_JOB_ID", "WORLD_SIZE", "LOCAL_RANK")
+# A SLURM job's variables (its id, node, task; submitit's folder) differ from job to job; torch, transformers,
+# accelerate, lm-eval and the hub client read none of them at import (only when a run asks).
+IGNORED_PREFIXES = ("SLURM_", "SLURMD_", "SUBMITIT_")
+# A rank of a distributed launch keeps its own start: its ranks and its launcher's signals are what those
+# tests are about.
+NOT_IN = ("WORLD_SIZE", "LOCAL_RANK")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # What a zygote imports for each module (KLSTUDY_WARM_PRELOAD: other modules, comma-separated): what the
 # module's commands that load a model import, in their order (one zygote per module: lm-eval, which only the
@@ -56,6 +65,7 @@ _LIBRARIES = ("torch", "transformers", "transformers.models.llama.modeling_llama
               "safetensors.torch", "yaml", "numpy")
 PRELOAD = {"trainer": ("trainer.__main__:_quiet_libraries", *_LIBRARIES),
            "eval": ("eval", *_LIBRARIES, "lm_eval", "lm_eval.evaluator", "lm_eval.models.huggingface")}
+STOP_POLL_S = 0.1  # how often a reaper looks whether its client is stopped
 IDLE_S = 60.0  # a zygote that has forked nothing for this long exits (each holds 0.6-0.8 GB)
 # How long a client waits for a new zygote's imports, and then for its reaper (KLSTUDY_WARM_READY_S: a test's).
 READY_S = float(os.environ.get("KLSTUDY_WARM_READY_S", "300"))
@@ -63,7 +73,7 @@ GO = struct.pack("!i", 0)  # the client's go: the worker may start (what follows
 
 
 def _key(module: str, environ: dict[str, str]) -> str:
-    kept = sorted((k, v) for k, v in environ.items() if k not in IGNORED)
+    kept = sorted((k, v) for k, v in environ.items() if k not in IGNORED and not k.startswith(IGNORED_PREFIXES))
     return hashlib.sha256(json.dumps([sys.executable, module, kept]).encode()).hexdigest()[:20]
 
 
@@ -120,9 +130,8 @@ def _connect(path: str) -> socket.socket | None:
 
 
 def _zygote_socket(directory: str, module: str, key: str) -> socket.socket | None:
-    """A connection to the zygote of `key`, started (by this process, under a lock) if there is none."""
+    """A connection to the zygote of `key`, started (by the broker, under a lock) if there is none."""
     import fcntl
-    import subprocess
     import time
 
     path = os.path.join(directory, f"{key}.sock")
@@ -134,16 +143,30 @@ def _zygote_socket(directory: str, module: str, key: str) -> socket.socket | Non
         conn = _connect(path)
         if conn is not None:
             return conn
-        with open(os.path.join(directory, f"{key}.log"), "ab") as log:
-            zygote = subprocess.Popen([sys.executable, os.path.abspath(__file__), path, module],
-                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        broker = _connect(os.path.join(directory, BROKER))
+        if broker is None:  # no broker: no zygote can be started outside this process's job
+            return None
+        with broker:
+            broker.settimeout(READY_S)
+            _send(broker, {"argv": [sys.executable, os.path.abspath(__file__), path, module],
+                           "env": dict(os.environ), "cwd": os.getcwd(), "log": path.removesuffix(".sock") + ".log"})
+            zygote = _receive(broker)[0]["pid"]
         deadline = time.monotonic() + READY_S
-        while time.monotonic() < deadline and zygote.poll() is None:
+        while time.monotonic() < deadline and _running(zygote):
             conn = _connect(path)
             if conn is not None:
                 return conn
             time.sleep(0.05)
     return None
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (the broker reaps its zygotes as they end)."""
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def hand_off() -> None:
@@ -154,7 +177,7 @@ def hand_off() -> None:
         return
     try:
         conn = _zygote_socket(os.environ[DIR_VARIABLE], module, _key(module, dict(os.environ)))
-    except OSError:
+    except (OSError, ValueError, KeyError):  # (a broker that answered nothing, or no pid)
         return
     if conn is None:
         return
@@ -205,6 +228,17 @@ def _relay(conn: socket.socket, ignored: list[int]) -> int:
 
 # The zygote, its reapers and its workers.
 
+def _listen(path: str) -> socket.socket:
+    """A socket listening at `path`, which appears there only once it listens."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if os.path.exists(path + ".new"):
+        os.unlink(path + ".new")
+    listener.bind(path + ".new")
+    listener.listen(64)
+    os.rename(path + ".new", path)
+    return listener
+
+
 def _serve(path: str, module: str) -> dict | None:
     """Imports the libraries, then forks a reaper per connection until idle. Returns only in a worker, with
     the client's request, for the caller to run outside of every frame of this loop."""
@@ -229,12 +263,7 @@ def _serve(path: str, module: str) -> dict | None:
     removed = [key for key in before if key not in os.environ]
     print(f"warm start: pid {os.getpid()} imported for {module} in {time.monotonic() - began:.1f} s, "
           f"{threading.active_count()} Python thread(s)", file=sys.stderr, flush=True)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    if os.path.exists(path + ".new"):
-        os.unlink(path + ".new")
-    listener.bind(path + ".new")
-    os.rename(path + ".new", path)
-    listener.listen(64)
+    listener = _listen(path)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # reapers end on their own; nobody waits for them
     with open(path.removesuffix(".sock") + ".pid", "w") as pid_file:
         pid_file.write(str(os.getpid()))
@@ -291,9 +320,18 @@ def _supervise(conn: socket.socket, worker: int, fds: list[int]) -> None:
         pass
     for fd in fds:
         os.close(fd)
-    pidfd = os.pidfd_open(worker)
+    client = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    pidfd, stopped = os.pidfd_open(worker), False
     while True:
-        readable = select.select([conn, pidfd], [], [])[0]
+        readable = select.select([conn, pidfd], [], [], STOP_POLL_S)[0]
+        if not readable:  # a stop is no signal a process can pass on: the reaper sees it, and stops the job too
+            if _stopped(client) != stopped:
+                stopped = not stopped
+                try:
+                    os.killpg(worker, signal.SIGSTOP if stopped else signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            continue
         if pidfd in readable:
             break
         try:
@@ -318,6 +356,14 @@ def _supervise(conn: socket.socket, worker: int, fds: list[int]) -> None:
         pass
 
 
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _run_worker(request: dict) -> None:
     """Becomes `python -m <module> <args>` in the client's directory and environment."""
     import random
@@ -340,7 +386,62 @@ def _run_worker(request: dict) -> None:
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
+# The broker.
+
+def start_broker(directory: str) -> int:
+    """Starts the broker of `directory` as a daemon (its own session, reparented away from the caller) and
+    returns its pid once it listens. Run as `python klstudy_warm_start.py --broker DIRECTORY`."""
+    ready_read, ready_write = os.pipe()
+    if os.fork() != 0:
+        os.close(ready_write)
+        with os.fdopen(ready_read) as ready:
+            return int(ready.read() or "0")
+    os.close(ready_read)
+    os.setsid()
+    if os.fork() != 0:
+        os._exit(0)
+    try:
+        listener = _listen(os.path.join(directory, BROKER))
+        with open(os.path.join(directory, "broker.pid"), "w") as pid_file:
+            pid_file.write(str(os.getpid()))
+        os.write(ready_write, str(os.getpid()).encode())
+    finally:
+        os.close(ready_write)
+    _broker(listener)
+
+
+def _broker(listener: socket.socket) -> None:
+    """Starts each zygote asked for, as its child: in the asking process's environment and directory, but not
+    in its process tree, which SLURM ends with the job."""
+    import subprocess
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # zygotes end on their own; nobody waits for them
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            try:
+                request, _ = _receive(conn)
+                with open(request["log"], "ab") as log:
+                    zygote = subprocess.Popen(request["argv"], env=request["env"], cwd=request["cwd"],
+                                              stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                              start_new_session=True, preexec_fn=_child_signals)
+                _send(conn, {"pid": zygote.pid})
+            except (OSError, ValueError, KeyError):
+                pass  # the client gets no pid, and starts as usual
+
+
+def _child_signals() -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (ignored in the broker, and inherited as ignored)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--broker":
+        broker = start_broker(sys.argv[2])
+        print(broker)
+        sys.exit(0 if broker else 1)
     worker_request = _serve(sys.argv[1], sys.argv[2])
     if worker_request is not None:
         _run_worker(worker_request)
