@@ -424,6 +424,7 @@ def test_a_study_whose_sacct_fails_says_why_and_goes_on_once_it_answers(slurm, t
     state, so the study used to wait without a word. Now it says why; once slurmdbd is back, the job,
     finished meanwhile, is seen and the study ends."""
     (tmp_path / "Snakefile").write_text('rule all:\n    output: "done"\n    shell: "sleep 15; touch {output}"\n')
+    cpus = node_cpus()
     log_path = tmp_path / "snakemake.log"
     with log_path.open("w") as log:
         process = subprocess.Popen([sys.executable, "-m", "snakemake", "--snakefile", str(tmp_path / "Snakefile"),
@@ -445,3 +446,8 @@ def test_a_study_whose_sacct_fails_says_why_and_goes_on_once_it_answers(slurm, t
     assert process.wait(timeout=300) == 0, log_path.read_text()[-3000:]
     text = log_path.read_text()
     assert (tmp_path / "done").exists() and "slurmdbd and its database" in text and "sacct answers again" in text
+    assert node_cpus() == cpus  # the `up` above ran with this suite's OMP_NUM_THREADS, which is not the node's size
+
+
+def node_cpus() -> str:
+    return subprocess.run(["sinfo", "-h", "-n", "localhost", "-o", "%c"], capture_output=True, text=True).stdout.strip()

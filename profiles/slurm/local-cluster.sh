@@ -17,7 +17,9 @@ CONF_DIR=/etc/slurm
 STATE=/var/lib/slurm
 LOGS=/var/log/slurm
 RUN=/run/slurm
-CPUS=${KLSTUDY_SLURM_CPUS:-$(nproc)}
+# GNU nproc answers OMP_NUM_THREADS when it is set, and `make test` sets it to 1: an `up` from inside the suite
+# would restart the cluster with one CPU, and every later job that asks for two would pend for ever.
+CPUS=${KLSTUDY_SLURM_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 # Leave 2 GiB to the system; jobs get DefMemPerCPU each unless they ask (without it they run one at a time).
 MEMORY_MB=${KLSTUDY_SLURM_MEMORY_MB:-$(( $(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo) - 2048 ))}
 PACKAGES=(slurm-wlm slurmdbd munge mariadb-server)
