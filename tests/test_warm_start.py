@@ -75,6 +75,10 @@ def zygotes(env) -> list[str]:
     return sorted(path.name for path in Path(env["KLSTUDY_WARM_DIR"]).glob("*.sock") if path.name != "broker.sock")
 
 
+def zygote_pids(env) -> list[int]:
+    return [int(path.read_text()) for path in Path(env["KLSTUDY_WARM_DIR"]).glob("*.pid") if path.name != "broker.pid"]
+
+
 def report(env, cwd):
     process = probe(env, "report", "x y", cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     out, _ = process.communicate("hello", timeout=120)
@@ -149,8 +153,7 @@ def test_a_process_ignores_the_signals_it_inherited_as_ignored_and_no_others(war
 
 def test_a_process_that_gave_up_waiting_runs_its_module_itself_and_no_worker_runs_it_again(warm, tmp_path):
     report(warm, tmp_path)  # a zygote, started
-    (zygote,) = (int(path.read_text()) for path in Path(warm["KLSTUDY_WARM_DIR"]).glob("*.pid")
-                 if path.name != "broker.pid")
+    (zygote,) = zygote_pids(warm)
     os.kill(zygote, signal.SIGSTOP)  # it accepts nothing: the next process waits a second, gives up, runs itself
     try:
         process = probe({**warm, "KLSTUDY_WARM_READY_S": "1"}, "once", str(tmp_path / "runs"))
@@ -196,7 +199,7 @@ def test_the_jobs_of_a_slurm_study_share_a_zygote_that_none_of_their_process_tre
         assert (process.returncode, seen["job"]) == (3, job) and seen["pid"] != process.pid
     assert len(zygotes(warm)) == 1
     directory = Path(warm["KLSTUDY_WARM_DIR"])
-    (zygote,) = (int(path.read_text()) for path in directory.glob("*.pid") if path.name != "broker.pid")
+    (zygote,) = zygote_pids(warm)
     parent = int(Path(f"/proc/{zygote}/stat").read_text().rsplit(")", 1)[1].split()[1])
     assert parent == int((directory / "broker.pid").read_text())
 
