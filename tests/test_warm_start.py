@@ -10,6 +10,8 @@ import json
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -202,6 +204,24 @@ def test_the_jobs_of_a_slurm_study_share_a_zygote_that_none_of_their_process_tre
     (zygote,) = zygote_pids(warm)
     parent = int(Path(f"/proc/{zygote}/stat").read_text().rsplit(")", 1)[1].split()[1])
     assert parent == int((directory / "broker.pid").read_text())
+
+
+def test_the_broker_starts_only_its_own_zygote_command(warm, tmp_path):
+    """Whatever a request says, the broker runs this directory's klstudy_warm_start.py under an interpreter
+    (it writes the command itself), or nothing."""
+    touch = shutil.which("touch")
+    for request in ({"argv": [touch, str(tmp_path / "ran")]},  # a command of the request's own
+                    {"python": touch, "key": "a1", "module": "probe"},  # not an interpreter: `touch` would run
+                    {"python": sys.executable, "key": "../a1", "module": "probe"},  # a socket elsewhere
+                    {"python": sys.executable, "key": "a1", "module": "probe; touch ran"}):
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(str(Path(warm["KLSTUDY_WARM_DIR"]) / "broker.sock"))
+            body = json.dumps({**request, "env": {}, "cwd": str(tmp_path), "log": str(tmp_path / "log")}).encode()
+            conn.sendall(struct.pack("!I", len(body)) + body)
+            assert conn.recv(1) == b"", request  # closed with no zygote's pid
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["lib"] and zygote_pids(warm) == []
+    process, _ = report(warm, tmp_path)  # and the broker still serves
+    assert process.returncode == 3 and len(zygote_pids(warm)) == 1
 
 
 def test_a_stopped_process_stops_its_worker_until_it_continues(warm, tmp_path):

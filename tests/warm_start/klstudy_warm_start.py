@@ -148,8 +148,8 @@ def _zygote_socket(directory: str, module: str, key: str) -> socket.socket | Non
             return None
         with broker:
             broker.settimeout(READY_S)
-            _send(broker, {"argv": [sys.executable, os.path.abspath(__file__), path, module],
-                           "env": dict(os.environ), "cwd": os.getcwd(), "log": path.removesuffix(".sock") + ".log"})
+            _send(broker, {"python": sys.executable, "key": key, "module": module, "env": dict(os.environ),
+                           "cwd": os.getcwd()})
             zygote = _receive(broker)[0]["pid"]
         deadline = time.monotonic() + READY_S
         while time.monotonic() < deadline and _running(zygote):
@@ -410,10 +410,23 @@ def start_broker(directory: str) -> int:
     _broker(listener)
 
 
+def _zygote_command(directory: str, request: dict) -> list[str]:
+    """The command of the zygote a client asks the broker for, which the broker writes itself: this file run
+    by an interpreter, for a socket in the broker's directory. Anything else is refused (ValueError)."""
+    python, key, module = request["python"], request["key"], request["module"]
+    if not (all(isinstance(value, str) for value in (python, key, module)) and os.path.isabs(python)
+            and os.path.basename(os.path.realpath(python)).startswith("python") and os.access(python, os.X_OK)
+            and key.isalnum() and all(part.isidentifier() for part in module.split("."))):
+        raise ValueError(f"not a zygote: {python!r} {key!r} {module!r}")
+    return [python, os.path.abspath(__file__), os.path.join(directory, f"{key}.sock"), module]
+
+
 def _broker(listener: socket.socket) -> None:
     """Starts each zygote asked for, as its child: in the asking process's environment and directory, but not
     in its process tree, which SLURM ends with the job."""
     import subprocess
+
+    directory = os.path.dirname(listener.getsockname())
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # zygotes end on their own; nobody waits for them
     null = os.open(os.devnull, os.O_RDWR)
@@ -424,8 +437,9 @@ def _broker(listener: socket.socket) -> None:
         with conn:
             try:
                 request, _ = _receive(conn)
-                with open(request["log"], "ab") as log:
-                    zygote = subprocess.Popen(request["argv"], env=request["env"], cwd=request["cwd"],
+                command = _zygote_command(directory, request)
+                with open(command[2].removesuffix(".sock") + ".log", "ab") as log:
+                    zygote = subprocess.Popen(command, env=request["env"], cwd=request["cwd"],
                                               stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                               start_new_session=True, preexec_fn=_child_signals)
                 _send(conn, {"pid": zygote.pid})
