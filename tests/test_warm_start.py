@@ -210,13 +210,16 @@ def test_the_broker_starts_only_its_own_zygote_command(warm, tmp_path):
     """Whatever a request says, the broker runs this directory's klstudy_warm_start.py under an interpreter
     (it writes the command itself), or nothing."""
     touch = shutil.which("touch")
-    for request in ({"argv": [touch, str(tmp_path / "ran")]},  # a command of the request's own
-                    {"python": touch, "key": "a1", "module": "probe"},  # not an interpreter: `touch` would run
-                    {"python": sys.executable, "key": "../a1", "module": "probe"},  # a socket elsewhere
-                    {"python": sys.executable, "key": "a1", "module": "probe; touch ran"}):
+    common = {"env": {}, "cwd": str(tmp_path), "log": str(tmp_path / "log")}
+    for request in ({"argv": [touch, str(tmp_path / "ran")], **common},  # a command of the request's own
+                    {"python": touch, "key": "a1", "module": "probe", **common},  # not an interpreter
+                    {"python": sys.executable, "key": "../a1", "module": "probe", **common},  # a socket elsewhere
+                    {"python": sys.executable, "key": "a1", "module": "probe; touch ran", **common},
+                    {"python": [touch], "key": "a1", "module": "probe", **common},  # not a string
+                    [touch, "ran"]):  # not a request
         with socket.socket(socket.AF_UNIX) as conn:
             conn.connect(str(Path(warm["KLSTUDY_WARM_DIR"]) / "broker.sock"))
-            body = json.dumps({**request, "env": {}, "cwd": str(tmp_path), "log": str(tmp_path / "log")}).encode()
+            body = json.dumps(request).encode()
             conn.sendall(struct.pack("!I", len(body)) + body)
             assert conn.recv(1) == b"", request  # closed with no zygote's pid
     assert sorted(path.name for path in tmp_path.iterdir()) == ["lib"] and zygote_pids(warm) == []

@@ -443,7 +443,7 @@ def _broker(listener: socket.socket) -> None:
                                               stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                               start_new_session=True, preexec_fn=_child_signals)
                 _send(conn, {"pid": zygote.pid})
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, TypeError):
                 pass  # the client gets no pid, and starts as usual
 
 
