@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,16 @@ import pytest
 from conftest import start_warm_broker
 
 WARM_START = Path(__file__).resolve().parent / "warm_start"
+
+
+def warm_start_module():
+    """tests/warm_start/klstudy_warm_start.py, loaded by its path (for its message framing)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("klstudy_warm_start", WARM_START / "klstudy_warm_start.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 PROBE = """
 import json, os, signal, sys, time
 import imported_env
@@ -219,8 +228,7 @@ def test_the_broker_starts_only_its_own_zygote_command(warm, tmp_path):
                     [touch, "ran"]):  # not a request
         with socket.socket(socket.AF_UNIX) as conn:
             conn.connect(str(Path(warm["KLSTUDY_WARM_DIR"]) / "broker.sock"))
-            body = json.dumps(request).encode()
-            conn.sendall(struct.pack("!I", len(body)) + body)
+            warm_start_module()._send(conn, request)
             assert conn.recv(1) == b"", request  # closed with no zygote's pid
     assert sorted(path.name for path in tmp_path.iterdir()) == ["lib"] and zygote_pids(warm) == []
     process, _ = report(warm, tmp_path)  # and the broker still serves

@@ -129,16 +129,21 @@ def _connect(path: str) -> socket.socket | None:
         return None
 
 
+def _zygote_file(directory: str, key: str, suffix: str) -> str:
+    """Where the zygote of `key` keeps its socket (.sock), pid (.pid) and log (.log), and its start lock (.lock)."""
+    return os.path.join(directory, f"{key}{suffix}")
+
+
 def _zygote_socket(directory: str, module: str, key: str) -> socket.socket | None:
     """A connection to the zygote of `key`, started (by the broker, under a lock) if there is none."""
     import fcntl
     import time
 
-    path = os.path.join(directory, f"{key}.sock")
+    path = _zygote_file(directory, key, ".sock")
     conn = _connect(path)
     if conn is not None:
         return conn
-    with open(os.path.join(directory, f"{key}.lock"), "w") as lock:
+    with open(_zygote_file(directory, key, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         conn = _connect(path)
         if conn is not None:
@@ -239,7 +244,7 @@ def _listen(path: str) -> socket.socket:
     return listener
 
 
-def _serve(path: str, module: str) -> dict | None:
+def _serve(directory: str, key: str, module: str) -> dict | None:
     """Imports the libraries, then forks a reaper per connection until idle. Returns only in a worker, with
     the client's request, for the caller to run outside of every frame of this loop."""
     import importlib
@@ -263,15 +268,16 @@ def _serve(path: str, module: str) -> dict | None:
     removed = [key for key in before if key not in os.environ]
     print(f"warm start: pid {os.getpid()} imported for {module} in {time.monotonic() - began:.1f} s, "
           f"{threading.active_count()} Python thread(s)", file=sys.stderr, flush=True)
+    path, pid_path = _zygote_file(directory, key, ".sock"), _zygote_file(directory, key, ".pid")
     listener = _listen(path)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # reapers end on their own; nobody waits for them
-    with open(path.removesuffix(".sock") + ".pid", "w") as pid_file:
+    with open(pid_path, "w") as pid_file:
         pid_file.write(str(os.getpid()))
     idle = False
     while True:
         if not select.select([listener], [], [], 0 if idle else IDLE_S)[0]:
             if idle:
-                os.unlink(path.removesuffix(".sock") + ".pid")  # (its pid may be another process's later)
+                os.unlink(pid_path)  # (its pid may be another process's later)
                 return None
             if os.path.exists(path):
                 os.unlink(path)  # no new client from here on; those already queued are still served
@@ -407,26 +413,24 @@ def start_broker(directory: str) -> int:
         os.write(ready_write, str(os.getpid()).encode())
     finally:
         os.close(ready_write)
-    _broker(listener)
+    _broker(listener, directory)
 
 
 def _zygote_command(directory: str, request: dict) -> list[str]:
     """The command of the zygote a client asks the broker for, which the broker writes itself: this file run
-    by an interpreter, for a socket in the broker's directory. Anything else is refused (ValueError)."""
+    by an interpreter, for a key in the broker's directory. Anything else is refused (ValueError)."""
     python, key, module = request["python"], request["key"], request["module"]
     if not (all(isinstance(value, str) for value in (python, key, module)) and os.path.isabs(python)
             and os.path.basename(os.path.realpath(python)).startswith("python") and os.access(python, os.X_OK)
             and key.isalnum() and all(part.isidentifier() for part in module.split("."))):
         raise ValueError(f"not a zygote: {python!r} {key!r} {module!r}")
-    return [python, os.path.abspath(__file__), os.path.join(directory, f"{key}.sock"), module]
+    return [python, os.path.abspath(__file__), directory, key, module]
 
 
-def _broker(listener: socket.socket) -> None:
+def _broker(listener: socket.socket, directory: str) -> None:
     """Starts each zygote asked for, as its child: in the asking process's environment and directory, but not
     in its process tree, which SLURM ends with the job."""
     import subprocess
-
-    directory = os.path.dirname(listener.getsockname())
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # zygotes end on their own; nobody waits for them
     null = os.open(os.devnull, os.O_RDWR)
@@ -438,7 +442,7 @@ def _broker(listener: socket.socket) -> None:
             try:
                 request, _ = _receive(conn)
                 command = _zygote_command(directory, request)
-                with open(command[2].removesuffix(".sock") + ".log", "ab") as log:
+                with open(_zygote_file(directory, request["key"], ".log"), "ab") as log:
                     zygote = subprocess.Popen(command, env=request["env"], cwd=request["cwd"],
                                               stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                               start_new_session=True, preexec_fn=_child_signals)
@@ -456,6 +460,6 @@ if __name__ == "__main__":
         broker = start_broker(sys.argv[2])
         print(broker)
         sys.exit(0 if broker else 1)
-    worker_request = _serve(sys.argv[1], sys.argv[2])
+    worker_request = _serve(*sys.argv[1:4])
     if worker_request is not None:
         _run_worker(worker_request)
