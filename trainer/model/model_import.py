@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -137,6 +138,11 @@ SPECIAL_TOKEN_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", 
 
 def read_header(path: Path) -> GGUFHeader:
     """A GGUF file's header, after checking that it is a whole GGUF file."""
+    return _read(path)[0]
+
+
+def _read(path: Path):
+    """A GGUF file's header and its gguf.GGUFReader, after checking that it is a whole GGUF file."""
     gguf = check_gguf_installed()
     path = Path(path)
     if not path.is_file():
@@ -163,7 +169,30 @@ def read_header(path: Path) -> GGUFHeader:
         value = reader.fields.get(f"tokenizer.ggml.{key}")
         if value is not None:
             special[attribute] = int(value.parts[value.data[0]][0])
-    return GGUFHeader(bytes(field.parts[field.data[0]]).decode("utf-8"), special)
+    return GGUFHeader(bytes(field.parts[field.data[0]]).decode("utf-8"), special), reader
+
+
+@contextlib.contextmanager
+def _parsed_once(path: Path, reader) -> Iterator[None]:
+    """Within the block, transformers reads `path` through `reader` and builds gguf's tensor-name map once.
+
+    transformers reads a GGUF file anew for the tokenizer, the config and the weights, and gguf-py parses
+    its metadata element by element (3.3 s for SmolLM2's 49,152-token vocabulary and its merges); it also
+    builds the tensor-name map anew for each of the model's modules (397 times for SmolLM2). Both are pure
+    functions of their arguments, and transformers looks both up in the gguf module at each call."""
+    gguf = check_gguf_installed()
+    new_reader, name_map, target = gguf.GGUFReader, gguf.get_tensor_name_map, Path(path).resolve()
+
+    def reader_of(file, *args, **kwargs):
+        if not args and not kwargs and isinstance(file, (str, os.PathLike)) and Path(file).resolve() == target:
+            return reader
+        return new_reader(file, *args, **kwargs)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader_of, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = new_reader, name_map
 
 
 def check_architecture(path: Path, architecture: str) -> None:
@@ -198,15 +227,16 @@ def import_gguf(path: Path, out_dir: Path) -> Path:
     tokenizer with its chat template, the generation config). Written atomically; a directory that
     already holds an import of the same file is reused as it is."""
     path, out_dir = Path(path), Path(out_dir)
-    header = read_header(path)
+    header, reader = _read(path)
     source = _fingerprint(path)
     with _locked(out_dir):
         if out_dir.exists():
             _check_reusable(out_dir, path, source)
             log.info("%s already holds %s; reused", out_dir, path.name)
             return out_dir
-        check_architecture(path, header.architecture)
-        model, tokenizer = _load_dequantized(path)
+        with _parsed_once(path, reader):
+            check_architecture(path, header.architecture)
+            model, tokenizer = _load_dequantized(path)
         set_special_tokens(tokenizer, header.special_tokens)
         from trainer.model.models import save_pretrained_atomic
 
