@@ -317,6 +317,46 @@ def test_group_gradients_are_the_exact_distribution_of_one_groups_gradient(off_p
     assert float(((sampled - sampled.mean(0)) ** 2).sum(-1).mean()) == pytest.approx(exact, rel=0.02)
 
 
+@pytest.mark.parametrize("config, off_policy, engine_mismatch", [
+    (replace(BASE, estimator="k3", placement="reward+loss"), False, False),
+    (replace(BASE, estimator="k2", placement="loss", kl_loss_ratio="differentiable", clip_ratio_c=3.0), True, False),
+    (replace(BASE, estimator="k1", placement="reward-to-go", pg_ratio="sequence"), True, False),
+    (replace(BASE, estimator="full", placement="loss", kl_loss_ratio="differentiable"), True, False),
+    (replace(BASE, estimator="k3", placement="loss", entropy_coef=0.01, advantage="grpo"), False, False),
+    (replace(BASE, estimator="k3", placement="reward-centred", tis_cap=2.0), False, True),
+], ids=["on-policy", "dual-clip", "sequence-ratio", "full", "entropy-grpo", "engine-tis"])
+def test_vectorized_gradients_are_those_of_one_backward_pass_per_group(config, off_policy, engine_mismatch,
+                                                                         monkeypatch):
+    """The audits take every group's loss and gradient in one torch.func.vmap call; a loss that cannot be
+    vectorized is taken group by group. Both give the same gradients (to rounding), and the configurations
+    the audits check take the vectorized call."""
+    inst = AuditInstance.random(2, 3, seed=3)
+    real_vmap, vectorized = torch.func.vmap, []
+
+    def spy(*args, **kwargs):
+        batched = real_vmap(*args, **kwargs)
+
+        def call(*inputs):
+            result = batched(*inputs)
+            vectorized.append(True)
+            return result
+        return call
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("not vectorizable")
+
+    monkeypatch.setattr(torch.func, "vmap", spy)
+    grads, weights = group_gradients(inst, config, 2, off_policy, engine_mismatch=engine_mismatch)
+    mean = expected_gradient(inst, config, 2, off_policy, engine_mismatch=engine_mismatch)
+    assert vectorized == [True, True]
+    monkeypatch.setattr(torch.func, "vmap", refuse)
+    one_by_one, same_weights = group_gradients(inst, config, 2, off_policy, engine_mismatch=engine_mismatch)
+    assert torch.equal(weights, same_weights) and grads.shape == one_by_one.shape
+    assert float((grads - one_by_one).abs().max()) <= 1e-12 * float(one_by_one.abs().max())
+    assert rel_error(mean, expected_gradient(inst, config, 2, off_policy, engine_mismatch=engine_mismatch)) < 1e-12
+    assert rel_error(expectation(grads, weights), mean) < 1e-12
+
+
 def test_one_token_audit_merges_coinciding_targets():
     """For T = 1 the per-prefix reverse KL is the sequence KL: k2-loss is unbiased there."""
     result = gradient_audit(vocab=3, length=1, group_size=2, seeds=(0,), progress=False)

@@ -58,15 +58,12 @@ class AuditInstance:
         return cls(space, ref, pi, mu, rewards)
 
 
-def _group_losses(inst: AuditInstance, config: ObjectiveConfig, group_size: int, off_policy: bool,
-                  groups: Tensor | None, engine_mismatch: bool, batch_groups: int = 1
-                  ) -> tuple[Tensor, list[Tensor], Tensor]:
-    """(theta, the loss of every ordered batch of `batch_groups` groups, each batch's probability under its
-    sampler)."""
+def _enumerated(inst: AuditInstance, config: ObjectiveConfig, group_size: int, off_policy: bool,
+                groups: Tensor | None, engine_mismatch: bool, batch_groups: int = 1):
+    """(every ordered batch of `batch_groups` groups, each batch's probability under its sampler, and
+    `group_loss`: group_loss(theta)(rows) is compute_loss on those rows of the policy with logits theta)."""
     space = inst.space
     groups = space.groups(group_size * batch_groups) if groups is None else groups
-    theta = inst.logits.clone().requires_grad_(True)
-    logp = space.token_logp(theta)
     ref_logp = space.token_logp(inst.ref_logits)
     sampler_logits = inst.behaviour_logits if off_policy or engine_mismatch else inst.logits
     sampler_token_logp = space.token_logp(sampler_logits)
@@ -75,20 +72,24 @@ def _group_losses(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
         groups, weights = groups[weights > 0], weights[weights > 0]
     mask = torch.ones(groups.shape[1], space.length, dtype=torch.float64)
     full = config.needs_full_kl
-    token_kl = space.token_kl(theta, inst.ref_logits) if full else None
-    sampler_token_kl = space.token_kl(sampler_logits, inst.ref_logits) if full else None
-    entropy = space.token_entropy(theta) if config.entropy_coef else None
+    sampler_token_kl = space.token_kl(sampler_logits, inst.ref_logits) if full and off_policy else None
     engine = engine_mismatch or config.needs_engine_logp  # the sampler is the engine (exact unless mismatched)
-    losses = []
-    for rows in groups:
-        old = sampler_token_logp[rows] if off_policy else None
-        loss, _ = compute_loss(logp[rows], ref_logp[rows], old, inst.rewards[rows], mask, group_size, config,
-                               engine_logp=sampler_token_logp[rows] if engine else None,
-                               token_kl=None if token_kl is None else token_kl[rows],
-                               old_token_kl=sampler_token_kl[rows] if full and off_policy else None,
-                               entropy=None if entropy is None else entropy[rows], stats=False)
-        losses.append(loss)
-    return theta, losses, weights
+
+    def group_loss(theta: Tensor):
+        logp = space.token_logp(theta)
+        token_kl = space.token_kl(theta, inst.ref_logits) if full else None
+        entropy = space.token_entropy(theta) if config.entropy_coef else None
+
+        def loss(rows: Tensor) -> Tensor:
+            return compute_loss(logp[rows], ref_logp[rows], sampler_token_logp[rows] if off_policy else None,
+                                inst.rewards[rows], mask, group_size, config,
+                                engine_logp=sampler_token_logp[rows] if engine else None,
+                                token_kl=None if token_kl is None else token_kl[rows],
+                                old_token_kl=None if sampler_token_kl is None else sampler_token_kl[rows],
+                                entropy=None if entropy is None else entropy[rows], stats=False)[0]
+        return loss
+
+    return groups, weights, group_loss
 
 
 def expected_gradient(inst: AuditInstance, config: ObjectiveConfig, group_size: int,
@@ -105,9 +106,15 @@ def expected_gradient(inst: AuditInstance, config: ObjectiveConfig, group_size: 
     its probability; sampling itself is not differentiated, as in training.
     """
     with one_thread():
-        theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch,
-                                               batch_groups)
-        (grad,) = torch.autograd.grad(sum(w * loss for w, loss in zip(weights, losses, strict=True)), theta)
+        groups, weights, group_loss = _enumerated(inst, config, group_size, off_policy, groups, engine_mismatch,
+                                                  batch_groups)
+        theta = inst.logits.clone().requires_grad_(True)
+        loss = group_loss(theta)
+        try:  # every group's loss in one vectorized call, as in group_gradients
+            losses = torch.func.vmap(loss)(groups)
+        except Exception:  # noqa: BLE001 - not vectorizable: the loss's own errors are raised again below
+            losses = torch.stack([loss(rows) for rows in groups])
+        (grad,) = torch.autograd.grad(weights @ losses, theta)
     return grad
 
 
@@ -115,11 +122,22 @@ def group_gradients(inst: AuditInstance, config: ObjectiveConfig, group_size: in
                     groups: Tensor | None = None, engine_mismatch: bool = False) -> tuple[Tensor, Tensor]:
     """The gradient of compute_loss on each ordered group, [groups, *theta], and each group's
     probability: the exact distribution of the sampled gradient of one group (`engine_mismatch` as in
-    `expected_gradient`)."""
+    `expected_gradient`).
+
+    All groups' gradients are taken in one vectorized call (torch.func: the same gradients, in a tenth of
+    the time of a backward pass per group); a loss that torch.func cannot vectorize (one that branches on
+    its values, say) is differentiated group by group instead."""
     with one_thread():
-        theta, losses, weights = _group_losses(inst, config, group_size, off_policy, groups, engine_mismatch)
-        grads = [torch.autograd.grad(loss, theta, retain_graph=True)[0] for loss in losses]
-    return torch.stack(grads), weights
+        groups, weights, group_loss = _enumerated(inst, config, group_size, off_policy, groups, engine_mismatch)
+        theta = inst.logits.clone()
+        try:
+            grads = torch.func.vmap(torch.func.grad(lambda th, rows: group_loss(th)(rows)), in_dims=(None, 0))(
+                theta, groups)
+        except Exception:  # noqa: BLE001 - not vectorizable: the loss's own errors are raised again below
+            theta.requires_grad_(True)
+            loss = group_loss(theta)
+            grads = torch.stack([torch.autograd.grad(loss(rows), theta, retain_graph=True)[0] for rows in groups])
+    return grads, weights
 
 
 def expectation(grads: Tensor, weights: Tensor) -> Tensor:
