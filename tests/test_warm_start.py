@@ -31,6 +31,8 @@ def warm_start_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
 PROBE = """
 import json, os, signal, sys, time
 import imported_env
@@ -220,6 +222,7 @@ def test_the_broker_starts_only_its_own_zygote_command(warm, tmp_path):
     (it writes the command itself), or nothing."""
     touch = shutil.which("touch")
     common = {"env": {}, "cwd": str(tmp_path), "log": str(tmp_path / "log")}
+    send = warm_start_module()._send  # the module's own framing of a message
     for request in ({"argv": [touch, str(tmp_path / "ran")], **common},  # a command of the request's own
                     {"python": touch, "key": "a1", "module": "probe", **common},  # not an interpreter
                     {"python": sys.executable, "key": "../a1", "module": "probe", **common},  # a socket elsewhere
@@ -228,7 +231,7 @@ def test_the_broker_starts_only_its_own_zygote_command(warm, tmp_path):
                     [touch, "ran"]):  # not a request
         with socket.socket(socket.AF_UNIX) as conn:
             conn.connect(str(Path(warm["KLSTUDY_WARM_DIR"]) / "broker.sock"))
-            warm_start_module()._send(conn, request)
+            send(conn, request)
             assert conn.recv(1) == b"", request  # closed with no zygote's pid
     assert sorted(path.name for path in tmp_path.iterdir()) == ["lib"] and zygote_pids(warm) == []
     process, _ = report(warm, tmp_path)  # and the broker still serves
