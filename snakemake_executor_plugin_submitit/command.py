@@ -33,6 +33,9 @@ class JobCommand(submitit.helpers.Checkpointable):
         self._process: subprocess.Popen | None = None
 
     def __call__(self) -> int:
+        # launch.py started the task with USR2 blocked; submitit's handler is installed now, so a warning
+        # that came while it loaded is taken here (checkpoint, requeue) and later ones as they come.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
         # The command ignores USR2: SLURM sends it to every process of the step, and its default
         # action would kill the command before it could save anything. It inherits SIGTERM's default.
         self._process = subprocess.Popen(

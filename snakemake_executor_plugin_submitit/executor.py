@@ -15,6 +15,7 @@ from snakemake_interface_executor_plugins.jobs import JobExecutorInterface
 
 from snakemake_executor_plugin_submitit import adopt
 from snakemake_executor_plugin_submitit.command import JobCommand
+from snakemake_executor_plugin_submitit.launch import submitit_python
 from snakemake_executor_plugin_submitit.resources import command_step, signature, slurm_parameters
 from snakemake_executor_plugin_submitit.sacct_watch import SacctWatch
 
@@ -44,7 +45,9 @@ class Executor(RemoteExecutor):
         self.folder = Path(folder).absolute()
         self.folder.mkdir(parents=True, exist_ok=True)
         try:
-            self.submitit = submitit.SlurmExecutor(folder=self.folder, max_num_timeout=settings.max_timeouts)
+            # launch.py holds SLURM's time-limit warning back until submitit's handler can take it
+            self.submitit = submitit.SlurmExecutor(folder=self.folder, max_num_timeout=settings.max_timeouts,
+                                                   python=submitit_python())
         except RuntimeError as error:  # no srun on this host
             raise WorkflowError(f"submitit executor: {error}") from None
         self.defaults = {"partition": settings.partition, "account": settings.account, "qos": settings.qos}

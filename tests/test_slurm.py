@@ -19,9 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
+import submitit
 import yaml
 from run_helpers import default_sigint
 
+from snakemake_executor_plugin_submitit.command import JobCommand
+from snakemake_executor_plugin_submitit.launch import submitit_python
 from trainer.run import TIMING_KEYS
 from trainer.run_files import read_metrics
 
@@ -235,6 +238,78 @@ def test_a_job_signalled_as_its_run_completes_is_requeued_and_ends_as_a_success(
     assert "is already complete; nothing to do" in attempt  # the requeued job's trainer
     submitit_logs = "".join(p.read_text() for p in (tmp_path / ".snakemake" / "submitit").rglob("*_log.err"))
     assert "Caught signal SIGUSR2" in submitit_logs and "DUE TO JOB REQUEUE" in submitit_logs
+
+
+@pytest.mark.slow
+def test_a_warning_while_submitit_loads_the_job_waits_for_its_handler_and_the_job_is_requeued(slurm, tmp_path):
+    """SLURM's time-limit warning comes at one of its checks, which with a short limit can fall in a job's
+    first second, before submitit has installed its USR2 handler. CI once saw a job (a 2-minute limit) die of
+    USR2 while submitit loaded its pickle: failed, not requeued. Here the warning comes while the task waits
+    for its pickle, which the test holds back: it must stay pending in the task, then be taken by submitit
+    (checkpoint, requeue), and the requeued job must run its command once."""
+    folder = tmp_path / "submitit"
+    executor = submitit.SlurmExecutor(folder=folder, python=submitit_python())  # as the plugin makes it
+    executor.update_parameters(job_name="smk-early-warning", time=10, signal_delay_s=90,
+                               additional_parameters={"hold": True})
+    ran = tmp_path / "ran"
+    job = executor.submit(JobCommand(f"echo ran >> {shlex.quote(str(ran))}", grace_s=10))
+    held = job.paths.submitted_pickle.rename(folder / "held-back.pkl")  # submitit waits for it, uncovered
+    subprocess.run(["scontrol", "release", job.job_id], check=True)
+    task = wait_for(lambda: submitit_task(folder) if "Loading pickle" in logs(job) else None, 120)
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True)
+    assert wait_for(lambda: not alive(task) or usr2_pending(task), 60)
+    assert alive(task), f"the warning killed the task before submitit could take it:\n{logs(job)}"
+    held.rename(job.paths.submitted_pickle)
+    assert wait_for(lambda: ran.is_file() and job_state(job.job_id) == "COMPLETED", 300), logs(job)
+    assert ran.read_text() == "ran\n" and job_restarts(job.job_id) == 1
+    assert "Caught signal SIGUSR2" in logs(job)
+
+
+def wait_for(found, timeout: float):
+    """found()'s first true value within `timeout` seconds, else None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = found()
+        if value:
+            return value
+        time.sleep(0.2)
+    return None
+
+
+def logs(job: submitit.SlurmJob) -> str:
+    """The job's submitit logs (every attempt appends), stdout then stderr."""
+    return "".join(path.read_text() for path in (job.paths.stdout, job.paths.stderr) if path.is_file())
+
+
+def submitit_task(folder: Path) -> int | None:
+    """The pid of the Python process running submitit's job runner for `folder` on this node (not the srun
+    that started it), if one runs."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            words = cmdline.read_bytes().decode().split("\0")
+            if Path(words[0]).name.startswith("python") and "submitit.core._submit" in words and str(folder) in words:
+                return int(cmdline.parent.name)
+    return None
+
+
+def alive(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    return False
+
+
+def usr2_pending(pid: int) -> bool:
+    """Whether USR2 is pending in `pid` (sent to it and blocked there): /proc's ShdPnd mask."""
+    with contextlib.suppress(OSError):
+        status = (Path("/proc") / str(pid) / "status").read_text()
+        return bool(int(re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, re.M).group(1), 16) & 1 << (signal.SIGUSR2 - 1))
+    return False
+
+
+def job_state(job: str) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    match = re.search(r"\bJobState=(\S+)", shown)
+    return match.group(1) if match else ""
 
 
 @pytest.mark.slow
