@@ -1,5 +1,5 @@
 """What exact unbiasedness off-policy costs: the KL part of k3-reward+loss's gradient, computed exactly
-(trainer.audits.audit's enumeration) on random tabular policies with responses of 1 to 5 tokens, on-policy
+(trainer.audits.enumeration) on random tabular policies with responses of 1 to 5 tokens, on-policy
 and off-policy under three weightings: the token ratios the RL libraries use (the detached weight on
 the KL loss, PPO's ratio on the policy gradient), the sequence-level weights (`pg_ratio: sequence`,
 `kl_loss_ratio: sequence`), and the same truncated at `sequence_ratio_cap`.
@@ -18,7 +18,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from trainer.audits.audit import AuditInstance, expectation, group_gradients, rel_error, target_gradients, variance
+from trainer.audits.enumeration import (
+    AuditInstance,
+    expectation,
+    group_gradients,
+    rel_error,
+    target_gradients,
+    variance,
+)
 from trainer.objective.loss import ObjectiveConfig
 
 BETA, GROUP = 0.1, 2

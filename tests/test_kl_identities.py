@@ -12,12 +12,11 @@ from rounding import assert_equal_to_rounding
 
 from trainer import config as run_config
 from trainer.audits import tabular
-from trainer.audits.audit import (
+from trainer.audits.audit import audit_configs, gradient_audit
+from trainer.audits.enumeration import (
     AuditInstance,
-    audit_configs,
     expectation,
     expected_gradient,
-    gradient_audit,
     group_gradients,
     rel_error,
     target_gradients,

@@ -167,7 +167,7 @@ def test_the_dual_clip_changes_the_policy_gradient_and_the_kl_in_the_reward_off_
     the reward (whose gradient flows through the advantages), never a KL that is only in the loss."""
     from dataclasses import replace
 
-    from trainer.audits.audit import AuditInstance, expected_gradient, rel_error
+    from trainer.audits.enumeration import AuditInstance, expected_gradient, rel_error
 
     inst = AuditInstance.random(vocab=3, length=2, seed=0)
     for placement in ("none", "reward", "loss", "reward+loss"):
@@ -332,7 +332,7 @@ def test_tis_makes_an_inexact_engine_exactly_unbiased_for_one_token_responses():
     E_pi[A grad log pi] (RLOO's baseline stays independent of each sample). Longer responses get
     token ratios, which are only a first-order correction (docs/concepts/theory.md, "Engine weights:
     TIS and IcePop"): biased there."""
-    from trainer.audits.audit import AuditInstance, expected_gradient, rel_error
+    from trainer.audits.enumeration import AuditInstance, expected_gradient, rel_error
 
     base = ObjectiveConfig(placement="none", advantage="rloo")
     untruncated = ObjectiveConfig(placement="none", advantage="rloo", tis_cap=1e12)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from trainer.audits import coefficients
-from trainer.audits.audit import AuditInstance, expected_gradient, rel_error, target_gradients, verdict
+from trainer.audits.audit import verdict
+from trainer.audits.enumeration import AuditInstance, expected_gradient, rel_error, target_gradients
 from trainer.objective import whitening
 from trainer.objective.loss import ObjectiveConfig, batch_advantages, compute_loss
 

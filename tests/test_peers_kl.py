@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from trainer.audits import moving_targets, peers_audit, tabular
-from trainer.audits.audit import AuditInstance, gradient_audit, rel_error
+from trainer.audits.audit import gradient_audit
+from trainer.audits.enumeration import AuditInstance, rel_error
 from trainer.objective import kl
 from trainer.objective.engine_weights import engine_weights
 from trainer.objective.entropy_bonus import token_entropy

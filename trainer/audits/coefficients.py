@@ -11,7 +11,7 @@ has,
 
 and a configuration optimises E[R] - beta_eff KL with beta_eff = b / a, at a learning rate scaled by a, exactly
 when the residual r is 0 (bias = |r| / |g|). Computed exactly, by enumeration, through `compute_loss`
-(`trainer.audits.audit.expected_gradient`).
+(`trainer.audits.enumeration.expected_gradient`).
 
 `whitening_audit`: each whitening advantage next to the one it whitens, with the KL where the PPO-style libraries
 put it (to go, each token's own, summed), on-policy: the rows `python -m trainer audit --presets` prints under
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from trainer.audits import tabular
-from trainer.audits.audit import AuditInstance, expected_gradient, target_gradients
+from trainer.audits.enumeration import AuditInstance, expected_gradient, target_gradients
 from trainer.objective.objective_config import ObjectiveConfig
 from trainer.progress import progress_bar
 
@@ -44,7 +44,7 @@ class Coefficients:
 
 
 def decompose(grad: Tensor, targets: dict[str, Tensor]) -> Coefficients:
-    """Least squares of the loss's expected gradient on -grad E[R] and grad KL (`audit.target_gradients`)."""
+    """Least squares of the loss's expected gradient on -grad E[R] and grad KL (`enumeration.target_gradients`)."""
     columns = torch.stack([-targets["reward"].flatten(), targets["unbiased"].flatten()], dim=1)
     flat = grad.flatten()
     solution = torch.linalg.lstsq(columns, flat.unsqueeze(-1)).solution.squeeze(-1)

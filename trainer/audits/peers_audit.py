@@ -1,6 +1,6 @@
 """Exact audit of the RL libraries' KL machinery: the settings that reproduce them, and their presets.
 
-Two parts here, all on `trainer.audits.audit`'s random tabular instances and through `compute_loss` itself:
+Two parts here, all on `trainer.audits.enumeration`'s random tabular instances and through `compute_loss` itself:
 
 - `additions_audit`: what each setting added to reproduce the peers differentiates (clamps, the
   KL-loss weights `engine` and `score`, the entropy bonus, the engine weights of the policy
@@ -24,16 +24,15 @@ import torch
 from torch import Tensor
 
 from trainer.audits import tabular
-from trainer.audits.audit import (
+from trainer.audits.audit import audit_configs, verdict
+from trainer.audits.enumeration import (
     AuditInstance,
-    audit_configs,
     cosine,
     expectation,
     group_gradients,
     rel_error,
     target_gradients,
     variance,
-    verdict,
 )
 from trainer.objective import kl, kl_loss_ratios, loss_aggs, pg_ratios
 from trainer.objective.loss import ObjectiveConfig

@@ -1,6 +1,6 @@
 """Exact audit of each library's default KL configuration (trainer.objective.presets): the papers' Table 1, executable.
 
-For each preset at the audit's beta, on `trainer.audits.audit`'s random tabular instances and through
+For each preset at the audit's beta, on `trainer.audits.enumeration`'s random tabular instances and through
 `compute_loss` itself, on-policy and off-policy (samples of mu, the libraries' token ratios, or the preset's own
 ratio; the reward's KL from the sampler unless the preset says otherwise):
 
@@ -19,16 +19,16 @@ import statistics
 from dataclasses import dataclass, replace
 
 from trainer.audits import tabular
-from trainer.audits.audit import (
+from trainer.audits.audit import verdict
+from trainer.audits.coefficients import decompose, objective_verdict
+from trainer.audits.enumeration import (
     AuditInstance,
     expectation,
     group_gradients,
     rel_error,
     target_gradients,
     variance,
-    verdict,
 )
-from trainer.audits.coefficients import decompose, objective_verdict
 from trainer.objective import presets
 from trainer.objective.objective_config import ObjectiveConfig
 from trainer.progress import progress_bar

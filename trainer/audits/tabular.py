@@ -3,7 +3,7 @@
 A policy over sequences y = (y_1..y_T) from a vocabulary of V tokens has one row of V logits per
 prefix (y_1..y_{t-1}); every distribution over sequences is reachable, so the optimum of a
 regularised objective is reachable too. Everything is enumerable: the V**T sequences, the groups of
-samples, and exact KLs with their gradients. `trainer.audits.audit` is built on this.
+samples, and exact KLs with their gradients. `trainer.audits.enumeration` is built on this.
 """
 
 from __future__ import annotations
