@@ -38,6 +38,7 @@ EXECUTOR_MARGIN_S = 20   # snakemake_executor_plugin_submitit: the command gets 
 DEFAULT_SIGNAL_DELAY_S = 90  # the executor's own default, where neither the command line nor a profile sets it
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}  # auto: the checkpoint's own dtype, float32 at most
 COPIES = 3               # the weights, and AdamW's exp_avg and exp_avg_sq in the same dtype (trainer.run.state)
+SLURM_EARLY_S = 60       # SLURM checks every 30 s and may send the warning up to 60 s before signal_delay
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ def checkpoint_lines(study: Study, steps_left: Mapping[str, int], signal_delay: 
         runs = [run for run in steps_left if study.run(run).model == model]
         if not runs:
             continue
+        lines += _runtime_lines(model, study.resources_for("train", model).get("runtime"), delay)
         dtype = study.run(runs[0]).config.get("model", {}).get("dtype", ModelConfig.dtype)
         params = parameter_count(study, model)
         if params is None:
@@ -183,6 +185,18 @@ def checkpoint_lines(study: Study, steps_left: Mapping[str, int], signal_delay: 
                          f"{math.ceil(need) + EXECUTOR_MARGIN_S} s (`submitit-signal-delay` in the profile), or "
                          "the job is killed mid-write and resumes from its previous checkpoint")
     return lines
+
+
+def _runtime_lines(model: str, runtime: Any, delay: int) -> list[str]:
+    """A training job whose time limit is within the warning's reach from its start is told to stop at
+    SLURM's first check, every attempt: it saves and requeues before it has trained much, until
+    `submitit-max-timeouts` runs out."""
+    if not isinstance(runtime, (int, float)) or runtime * 60 > delay + SLURM_EARLY_S:
+        return []
+    return [f"    {model}: NOT enough: a training job's runtime of {runtime:g} min is within signal_delay + "
+            f"{SLURM_EARLY_S} s of its start, so SLURM may tell it to stop at its first check, every attempt; "
+            f"give train a runtime of more than {math.ceil((delay + SLURM_EARLY_S) / 60)} min, with its steps "
+            "on top, or lower the signal delay"]
 
 
 def _count(params: int) -> str:

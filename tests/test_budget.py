@@ -103,6 +103,24 @@ def test_the_checkpoint_check_says_whether_the_signal_delay_is_enough(tmp_path):
     assert "= 4.5 MB" in budget.checkpoint_lines(bf16, steps_left, (120, "x"))[1]
 
 
+def test_a_training_runtime_within_the_warnings_reach_from_the_start_is_said(tmp_path):
+    """SLURM may send its warning signal_delay + 60 s before the limit: a 3-minute job with the profile's
+    120 s would be told to stop at its first check, each attempt."""
+    weights = tmp_path / "qwen"
+    write_model(weights, {"embed": (10, 10)})
+
+    def lines(runtime: int, delay: int) -> list[str]:
+        study = paper_study(tmp_path, models={"Qwen2.5-7B": {"path": str(weights),
+                                                             "resources": {"train": {"runtime": runtime}}}})
+        return budget.checkpoint_lines(study, {run.run_id: 10 for run in study.runs}, (delay, "x"))
+
+    assert lines(3, 120)[1] == ("    Qwen2.5-7B: NOT enough: a training job's runtime of 3 min is within "
+                                "signal_delay + 60 s of its start, so SLURM may tell it to stop at its first "
+                                "check, every attempt; give train a runtime of more than 3 min, with its steps "
+                                "on top, or lower the signal delay")
+    assert not any("runtime" in line for line in lines(4, 120) + lines(3, 90))
+
+
 def test_three_copies_of_the_weights_are_what_the_trainer_writes(tmp_path):
     """The size the check reckons against a checkpoint written as the trainer writes it: the weights, and
     the AdamW state of one update, gathered whole."""
