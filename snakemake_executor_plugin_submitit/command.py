@@ -69,14 +69,17 @@ def _signal_group(pgid: int, signum: int) -> None:
         pass
 
 
+def live_stat(stat: Path) -> list[str] | None:
+    """The fields of a /proc/PID/stat after the command name (state, parent, group, ...), or None when the
+    process has ended or is a zombie."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:  # the process ended while we looked
+        return None
+    return None if fields[0] in ("Z", "X") else fields
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a live (not zombie) process is left in the group. Orphans of the command are reaped by
     the node's init, which in a container may never happen: zombies must not count."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended while we looked
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
-    return False
+    return any((fields := live_stat(stat)) and int(fields[2]) == pgid for stat in Path("/proc").glob("[0-9]*/stat"))

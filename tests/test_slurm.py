@@ -23,7 +23,7 @@ import submitit
 import yaml
 from run_helpers import default_sigint
 
-from snakemake_executor_plugin_submitit.command import JobCommand
+from snakemake_executor_plugin_submitit.command import JobCommand, live_stat
 from snakemake_executor_plugin_submitit.launch import submitit_python
 from trainer.run import TIMING_KEYS
 from trainer.run_files import read_metrics
@@ -185,11 +185,16 @@ def test_a_training_job_past_its_time_limit_is_requeued_and_resumes(slurm, tmp_p
     assert "this job is timed-out" in submitit_logs and "DUE TO JOB REQUEUE" in submitit_logs
 
 
+def scontrol_field(job: str, name: str) -> str:
+    """One field of `scontrol show job` for `job` ("" when SLURM no longer knows the job)."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    match = re.search(rf"\b{name}=(\S+)", shown)
+    return match.group(1) if match else ""
+
+
 def job_restarts(job: str) -> int:
     """How many times SLURM has requeued `job` (scontrol's Restarts)."""
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
-    match = re.search(r"\bRestarts=(\d+)", shown)
-    return int(match.group(1)) if match else 0
+    return int(scontrol_field(job, "Restarts") or 0)
 
 
 def extend_once_requeued(name: str, metrics: Path, minutes: int, process: subprocess.Popen, timeout: float) -> bool:
@@ -260,7 +265,7 @@ def test_a_warning_while_submitit_loads_the_job_waits_for_its_handler_and_the_jo
     assert wait_for(lambda: not alive(task) or usr2_pending(task), 60)
     assert alive(task), f"the warning killed the task before submitit could take it:\n{logs(job)}"
     held.rename(job.paths.submitted_pickle)
-    assert wait_for(lambda: ran.is_file() and job_state(job.job_id) == "COMPLETED", 300), logs(job)
+    assert wait_for(lambda: ran.is_file() and scontrol_field(job.job_id, "JobState") == "COMPLETED", 300), logs(job)
     assert ran.read_text() == "ran\n" and job_restarts(job.job_id) == 1
     assert "Caught signal SIGUSR2" in logs(job)
 
@@ -293,9 +298,7 @@ def submitit_task(folder: Path) -> int | None:
 
 
 def alive(pid: int) -> bool:
-    with contextlib.suppress(OSError):
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    return False
+    return live_stat(Path("/proc") / str(pid) / "stat") is not None
 
 
 def usr2_pending(pid: int) -> bool:
@@ -304,12 +307,6 @@ def usr2_pending(pid: int) -> bool:
         status = (Path("/proc") / str(pid) / "status").read_text()
         return bool(int(re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, re.M).group(1), 16) & 1 << (signal.SIGUSR2 - 1))
     return False
-
-
-def job_state(job: str) -> str:
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
-    match = re.search(r"\bJobState=(\S+)", shown)
-    return match.group(1) if match else ""
 
 
 @pytest.mark.slow
