@@ -26,9 +26,10 @@ from trainer.rollout.base import Rollouts
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 
-# Job processes start warm: every `python -m trainer|eval` that a test starts, itself or through Snakemake, is
-# forked from a process that has imported torch, transformers and lm-eval (tests/warm_start/klstudy_warm_start.py
-# says how, and which processes keep their own start). KLSTUDY_WARM_START=0 turns it off.
+# Job processes start warm: every `python -m trainer|eval` (and `sweep track|report`) that a test starts, itself
+# or through Snakemake, is forked from a process that has imported torch, transformers and lm-eval (MLflow,
+# SciPy, matplotlib); tests/warm_start/klstudy_warm_start.py says how, and which processes keep their own start.
+# KLSTUDY_WARM_START=0 turns it off.
 WARM_START = Path(__file__).resolve().parent / "warm_start"
 WARM_DIR = "KLSTUDY_WARM_DIR"
 

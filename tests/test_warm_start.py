@@ -204,6 +204,26 @@ def test_off_not_wanted_or_without_a_broker_a_process_starts_as_usual(warm, tmp_
         shutil.rmtree(no_broker)
 
 
+def test_of_the_sweep_commands_only_track_and_report_start_warm(warm, tmp_path):
+    """`sweep status` and `sweep fetch` import less than a zygote's start would cost them, and a training job's
+    follower (`track --follow`) must have its signal handler before anything is imported: they start as usual."""
+    env = {key: value for key, value in warm.items() if key != "KLSTUDY_WARM_MODULES"}  # the suite's modules
+    root = Path(__file__).resolve().parent.parent
+
+    def sweep(*args):
+        done = subprocess.run([sys.executable, "-m", "sweep", *args], env=env, cwd=root, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
+
+    for args in (("--help",), ("status", "--help"), ("track", "--follow", "run", "--help"),
+                 ("track", "--follow=run", "--help")):
+        sweep(*args)
+    assert zygotes(env) == []
+    sweep("track", "--help")
+    sweep("report", "--help")
+    assert len(zygotes(env)) == 1
+
+
 def test_the_jobs_of_a_slurm_study_share_a_zygote_that_none_of_their_process_trees_holds(warm, tmp_path):
     """SLURM ends a job by killing its processes: the zygote, which later jobs fork from, is the broker's child.
     A job's own variables (its id, submitit's folder) do not make a zygote of their own."""

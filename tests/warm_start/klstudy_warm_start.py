@@ -1,5 +1,6 @@
-"""A warm start for the suite's job processes: `python -m trainer|eval ...` forked from a process that has
-already imported torch, transformers and lm-eval, in place of a fresh interpreter that imports them again.
+"""A warm start for the suite's job processes: `python -m trainer|eval ...` (and `python -m sweep track|report`)
+forked from a process that has already imported torch, transformers and lm-eval (MLflow, SciPy and matplotlib),
+in place of a fresh interpreter that imports them again.
 
 Why: the suite's studies start a few hundred such processes, and each spent 4-9 s of CPU importing the same
 libraries before doing a second of work. Only the test suite uses this (tests/conftest.py turns it on; the
@@ -7,7 +8,8 @@ product's commands are unchanged), and what runs is the job's own code, from the
 
 How a job process goes:
 - Python runs this directory's sitecustomize (PYTHONPATH), which calls `hand_off`. A process that is not
-  `python -m trainer|eval`, or is one rank of a distributed launch, goes on as usual.
+  `python -m trainer|eval` or `python -m sweep track|report` (ONLY, NEVER), or is one rank of a distributed
+  launch, goes on as usual.
 - The *zygote* for the process's module and environment is found by a key: the interpreter, the module
   and every environment variable but those that differ between one study's jobs and that no library reads
   at import (IGNORED: a SLURM job's own variables among them). A library that reads a variable as it is
@@ -45,7 +47,14 @@ import sys
 
 DIR_VARIABLE = "KLSTUDY_WARM_DIR"  # where zygotes keep their sockets, pids and logs; set by tests/conftest.py
 BROKER = "broker.sock"  # in that directory: the broker, which starts zygotes
-MODULES = ("trainer", "eval")  # the `python -m` commands that are handed off (KLSTUDY_WARM_MODULES: others)
+MODULES = ("trainer", "eval", "sweep")  # the `python -m` modules handed off (KLSTUDY_WARM_MODULES: others)
+# Of a module, only these commands (its first argument) are handed off: `sweep status` and `sweep fetch` import
+# less (0.1 s) than their first call would wait for a new zygote's imports.
+ONLY = {"sweep": ("track", "report")}
+# Nor are commands with one of these arguments: a training job's follower (`sweep track --follow`) installs its
+# SIGUSR1 handler as it starts, before MLflow is imported; handed off, it would wait for a zygote while the job
+# that signals it ends, and die of the signal.
+NEVER = {"sweep": ("--follow",)}
 # Environment variables that vary between the processes of one study and that nothing reads at import time.
 IGNORED = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PWD", "OLDPWD", "SHLVL", "_",
                      "KLSTUDY_WARM_READY_S"})
@@ -64,7 +73,9 @@ _LIBRARIES = ("torch", "transformers", "transformers.models.llama.modeling_llama
               "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto", "accelerate",
               "safetensors.torch", "yaml", "numpy")
 PRELOAD = {"trainer": ("trainer.__main__:_quiet_libraries", *_LIBRARIES),
-           "eval": ("eval", *_LIBRARIES, "lm_eval", "lm_eval.evaluator", "lm_eval.models.huggingface")}
+           "eval": ("eval", *_LIBRARIES, "lm_eval", "lm_eval.evaluator", "lm_eval.models.huggingface"),
+           "sweep": ("sweep.figures:_pyplot", "sweep.tracking", "sweep.report", "mlflow", "mlflow.tracking",
+                     "mlflow.store.tracking.sqlalchemy_store", "scipy.stats")}
 STOP_POLL_S = 0.1  # how often a reaper looks whether its client is stopped
 IDLE_S = 60.0  # a zygote that has forked nothing for this long exits (each holds 0.6-0.8 GB)
 # How long a client waits for a new zygote's imports, and then for its reaper (KLSTUDY_WARM_READY_S: a test's).
@@ -84,6 +95,11 @@ def _wanted() -> str | None:
     modules = os.environ.get("KLSTUDY_WARM_MODULES", ",".join(MODULES)).split(",")
     if (not directory or os.environ.get("KLSTUDY_WARM_START") == "0" or len(argv) < 3 or argv[1] != "-m"
             or argv[2] not in modules or any(name in os.environ for name in NOT_IN)):
+        return None
+    args = argv[3:]
+    if argv[2] in ONLY and (not args or args[0] not in ONLY[argv[2]]):
+        return None
+    if any(arg.split("=", 1)[0] in NEVER.get(argv[2], ()) for arg in args):
         return None
     return argv[2] if os.path.isdir(directory) else None
 
@@ -175,7 +191,7 @@ def _running(pid: int) -> bool:
 
 
 def hand_off() -> None:
-    """Called by sitecustomize: run this `python -m trainer|eval` process in a warm worker and exit as it
+    """Called by sitecustomize: run this `python -m trainer|eval|sweep` process in a warm worker and exit as it
     exits; return (and let Python start as usual) when it is not one, or when the warm start fails."""
     module = _wanted()
     if module is None:

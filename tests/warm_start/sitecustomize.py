@@ -1,5 +1,5 @@
 """Imported by Python at start-up when tests/warm_start is on PYTHONPATH (tests/conftest.py puts it there):
-hands a `python -m trainer|eval` process to a warm worker (klstudy_warm_start). A test's own sitecustomize
+hands a `python -m trainer|eval|sweep` process to a warm worker (klstudy_warm_start). A test's own sitecustomize
 later on the path still runs, before the hand-off."""
 
 import os
