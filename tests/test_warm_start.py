@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import start_warm_broker
 
+from snakemake_executor_plugin_submitit.command import live_stat
+
 WARM_START = Path(__file__).resolve().parent / "warm_start"
 
 
@@ -108,7 +110,7 @@ def wait_for_file(path: Path) -> int:
 
 def gone(pid: int) -> bool:
     deadline = time.monotonic() + 30
-    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+    while live_stat(Path(f"/proc/{pid}/stat")) is not None:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
@@ -233,7 +235,7 @@ def test_the_jobs_of_a_slurm_study_share_a_zygote_that_none_of_their_process_tre
     assert len(zygotes(warm)) == 1
     directory = Path(warm["KLSTUDY_WARM_DIR"])
     (zygote,) = zygote_pids(warm)
-    parent = int(Path(f"/proc/{zygote}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    parent = int(live_stat(Path(f"/proc/{zygote}/stat"))[1])
     assert parent == int((directory / "broker.pid").read_text())
 
 
