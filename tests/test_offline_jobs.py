@@ -12,11 +12,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import test_workflow
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-             "--profile", str(REPO / "profiles" / "local"), "--cores", "1"]
+SNAKEMAKE = [*test_workflow.SNAKEMAKE, "--profile", str(REPO / "profiles" / "local"), "--cores", "1"]
 TOY = yaml.safe_load((REPO / "benchmarks" / "slurm_study.yaml").read_text())
 # Each Python process of a job writes its hub settings (and any token) here: what the job's environment was.
 SPY = textwrap.dedent("""

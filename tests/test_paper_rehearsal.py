@@ -11,11 +11,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import test_workflow
 import yaml
 
 from eval.suites import IN_DOMAIN, OUT_OF_DOMAIN
@@ -25,8 +25,7 @@ from trainer.run_files import COMPLETE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = [REPO / "workflow" / "config" / "paper.yaml", REPO / "workflow" / "config" / "paper_cpu.yaml"]
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-             "--profile", str(REPO / "profiles" / "slurm")]
+SNAKEMAKE = [*test_workflow.SNAKEMAKE, "--profile", str(REPO / "profiles" / "slurm")]
 MODELS = ("Qwen2.5-7B", "Llama-3.1-8B-Instruct", "Qwen3-4B-Instruct-2507")
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_workflow import LOCAL, SNAKEMAKE
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "my-objectives"
@@ -85,8 +86,7 @@ def test_an_installed_packages_estimator_is_audited_and_trains_in_a_study(instal
         "evaluate": {"suites": ["toy"], "samples": 2, "data": {"arith": "heldout"}},
     }
     (tmp_path / "study.yaml").write_text(json.dumps(study))
-    done = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--profile",
-                           str(REPO / "profiles" / "local"), "--cores", "2", "--directory", str(tmp_path),
+    done = subprocess.run([*SNAKEMAKE, *LOCAL, "--directory", str(tmp_path),
                            "--configfile", str(tmp_path / "study.yaml")], env=installed, capture_output=True,
                           text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -22,6 +22,7 @@ import pytest
 import submitit
 import yaml
 from run_helpers import default_sigint
+from test_workflow import SNAKEMAKE
 
 from snakemake_executor_plugin_submitit.command import JobCommand, live_stat
 from snakemake_executor_plugin_submitit.launch import submitit_python
@@ -29,7 +30,6 @@ from trainer.run import TIMING_KEYS
 from trainer.run_files import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
 # Status checks every second, not every 10 s as on a real cluster.
 SLURM = ["--profile", str(REPO / "profiles" / "slurm"), "--seconds-between-status-checks", "1",
          "--max-status-checks-per-second", "10", "--latency-wait", "5"]

@@ -10,10 +10,10 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import test_workflow
 import yaml
 from test_workflow import planned_jobs, snakemake_jobs
 
@@ -27,7 +27,7 @@ from trainer.run_files import COMPLETE
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = REPO / "workflow" / "config" / "schema.yaml"
 TOY = yaml.safe_load((REPO / "workflow" / "config" / "toy.yaml").read_text())
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--cores", "1"]
+SNAKEMAKE = [*test_workflow.SNAKEMAKE, "--cores", "1"]
 
 
 def toy(**sections) -> dict:

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import test_workflow
 from study_fixture import write_run, write_study
 
 from sweep.tracking import sync
@@ -453,8 +454,7 @@ LIVE_STUDY = {
     "evaluate": {"suites": ["toy"], "samples": 2, "data": {"arith": "heldout"}},
 }
 REPO = Path(__file__).resolve().parent.parent
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--profile",
-             str(REPO / "profiles" / "local"), "--cores", "2"]
+SNAKEMAKE = [*test_workflow.SNAKEMAKE, *test_workflow.LOCAL]
 
 
 def live_study(directory, model, **tracking):

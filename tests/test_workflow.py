@@ -22,7 +22,11 @@ from run_helpers import default_sigint
 from trainer.run_files import COMPLETE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
+# Every Snakemake the suite starts. A job's torch gets one thread: Snakemake sets OMP_NUM_THREADS to the rule's
+# threads (a study's `resources: cpus`, 2 in smol_cpu.yaml and paper_cpu.yaml), and the suite's two workers share
+# 2 cores, so a second thread waits, spinning, for a core the other worker holds. The SmolLM2 smoke study beside
+# a busy core: 376 s of CPU and 325 s wall with two threads, 172 s and 164 s with one (docs/testing.md).
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--max-threads", "1"]
 LOCAL = ["--profile", str(REPO / "profiles" / "local"), "--cores", "2"]
 
 REDUCED = {
