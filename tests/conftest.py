@@ -4,12 +4,14 @@ with completions it sampled; SmolLM2-135M-Instruct, a real model, imported once 
 server serving it and the paper's data sets on 127.0.0.1."""
 
 import copy
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -95,38 +97,60 @@ def pytest_xdist_make_scheduler(config, log):
     return ClusterTogether(config, log)
 
 
+def built_once(request, name: str, build: Callable[[Path], object]) -> Path:
+    """The directory `name`, which `build(path)` writes once for the whole session rather than once in each
+    pytest-xdist process: the processes share the parent of their base temporary directories, the first
+    that needs it builds it under a lock, and the others wait for it and read it. Tests only read it."""
+    root = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    if hasattr(request.config, "workerinput"):  # a pytest-xdist worker
+        root = root.parent
+    path, built = root / name, root / f"{name}.built"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not built.exists():
+            shutil.rmtree(path, ignore_errors=True)  # what a build that failed left
+            build(path)
+            built.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
-def toy_model(tmp_path_factory):
+def toy_model(request):
     """A randomly initialised character-level toy Llama (a directory)."""
-    return build_toy_model(tmp_path_factory.mktemp("models") / "toy", ToyModelSpec())
+    return built_once(request, "toy", lambda path: build_toy_model(path, ToyModelSpec()))
 
 
 @pytest.fixture(scope="session")
-def untied_toy_model(tmp_path_factory):
+def untied_toy_model(request):
     """The toy model with an output layer of its own (not the input embedding)."""
-    return build_toy_model(tmp_path_factory.mktemp("models") / "toy-untied", ToyModelSpec(tie_embeddings=False))
+    return built_once(request, "toy-untied", lambda path: build_toy_model(path, ToyModelSpec(tie_embeddings=False)))
 
 
 @pytest.fixture(scope="session")
-def warm_model(toy_model, tmp_path_factory):
+def warm_model(toy_model, request):
     """The toy model after a short supervised warm-up on single-digit arithmetic."""
     from trainer.sft import sft
 
-    out = tmp_path_factory.mktemp("models") / "toy-sft"
-    report = sft(str(toy_model), "arithmetic", out, {"max_operand": 9}, steps=150, batch_size=64,
-                 eval_problems=64)
-    assert report["sampled_reward"] > 0.2, report  # RL starts with a reward clearly above zero
-    return out
+    def warm_up(out: Path) -> None:
+        report = sft(str(toy_model), "arithmetic", out, {"max_operand": 9}, steps=150, batch_size=64,
+                     eval_problems=64)
+        assert report["sampled_reward"] > 0.2, report  # RL starts with a reward clearly above zero
+
+    return built_once(request, "toy-sft", warm_up)
 
 
 @pytest.fixture(scope="session")
-def prepared_toy_study(tmp_path_factory):
+def prepared_toy_study(request):
     """The prepare stage (build_model, prepare_data, audit) of the reduced toy studies of test_workflow.py
     and test_study_heals.py, which share their models and data, run once through Snakemake: each study
     starts from a copy of it (test_workflow.from_prepared checks that the models and data are the same)."""
     from test_workflow import REDUCED, prepare
 
-    return prepare(tmp_path_factory.mktemp("prepared"), REDUCED)
+    def run_prepare(path: Path) -> None:
+        path.mkdir()
+        prepare(path, REDUCED)
+
+    return built_once(request, "prepared", run_prepare)
 
 
 @pytest.fixture(scope="session")
