@@ -14,6 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
+from trainer import lease
 from trainer.launch import train_command
 
 # A short run on the warm toy model: 4 prompts x 4 samples of up to 4 tokens per step.
@@ -96,6 +97,19 @@ def fresh_python_prints(code: str) -> list[str]:
 def start_cli(out, model, base=TOY_RUN, **extra):
     return subprocess.Popen(command(out, model, 1, base, **extra), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+
+
+def kill_cli(process, out, timeout=60):
+    """SIGKILL a run that `start_cli` started, and return once no trainer holds it, as a killed trainer
+    started the ordinary way holds nothing once its parent has waited for it. Under the suite's warm start
+    (tests/warm_start) the process is the job's client, and the worker that trains is killed a moment after
+    it, when its reaper sees the client gone; a trainer started in that moment finds the run held."""
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while (holder := lease.current_holder(Path(out))) and lease.seems_alive(holder):
+        assert time.monotonic() < deadline, f"the killed run's trainer, pid {holder['pid']}, still runs"
+        time.sleep(0.05)
 
 
 def metrics(out):

@@ -16,7 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 from rounding import logprob_rounding
-from run_helpers import TOY_RUN, metrics, objective, overrides, start_cli, train_cli, trainer_in_process, wait_for_lines
+from run_helpers import (
+    TOY_RUN,
+    kill_cli,
+    metrics,
+    objective,
+    overrides,
+    start_cli,
+    train_cli,
+    trainer_in_process,
+    wait_for_lines,
+)
 from safetensors.torch import load_file
 
 from trainer import checkpoint
@@ -87,8 +97,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(reference_run, wa
     kill_after = random.Random(os.getpid()).randint(3, 16)
     process = start_cli(out, warm_model, **{"checkpoint.every": 1, **MEASURE})
     wait_for_lines(out, kill_after, process)
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=60)
+    kill_cli(process, out)
     assert not (out / COMPLETE).exists()
     resumed = train_cli(out, warm_model, **{"checkpoint.every": 1, **MEASURE})
     assert resumed.returncode == 0, resumed.stderr
@@ -134,8 +143,7 @@ def test_a_partial_or_corrupt_checkpoint_is_skipped(warm_model, tmp_path):
     out = tmp_path / "corrupt"
     process = start_cli(out, warm_model, **{"checkpoint.every": 2, "checkpoint.keep": 5})
     wait_for_lines(out, 7, process)
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=60)
+    kill_cli(process, out)
     newest = max((p for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")),
                  key=lambda p: int(p.name.split("_")[1]))
     with (newest / "trainer_state.pt").open("r+b") as handle:

@@ -1,11 +1,10 @@
 """Training with rollouts from vLLM (its CPU build here; CI requires it): rollouts a step ahead of
 the policy, SIGKILL, resume. Each run starts its own engine, so this is one run and its resumption."""
 
-import signal
 
 import pytest
 from rounding import assert_same_statistic, logprob_rounding, statistic_rounding
-from run_helpers import TOY_RUN, metrics, objective, start_cli, train_cli, wait_for_lines
+from run_helpers import TOY_RUN, kill_cli, metrics, objective, start_cli, train_cli, wait_for_lines
 from vllm_required import require_vllm
 
 from trainer.model.models import load_model
@@ -22,8 +21,7 @@ def test_a_vllm_run_a_step_ahead_survives_sigkill_and_resumes(warm_model, tmp_pa
     out = tmp_path / "vllm"
     process = start_cli(out, warm_model, **VLLM_RUN)
     wait_for_lines(out, 3, process, timeout=600)
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=60)
+    kill_cli(process, out)
     assert not (out / COMPLETE).exists()
     resumed = train_cli(out, warm_model, timeout=900, **VLLM_RUN)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
