@@ -34,6 +34,8 @@ os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 # KLSTUDY_WARM_START=0 turns it off.
 WARM_START = Path(__file__).resolve().parent / "warm_start"
 WARM_DIR = "KLSTUDY_WARM_DIR"
+SNAKEMAKE_THREADS = ("GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+                     "NUMEXPR_NUM_THREADS")
 
 
 def pytest_configure(config):
@@ -46,6 +48,14 @@ def pytest_configure(config):
         return
     os.environ[WARM_DIR] = config.warm_start_dir
     os.environ["PYTHONPATH"] = os.pathsep.join([str(WARM_START), *filter(None, [os.environ.get("PYTHONPATH")])])
+    # What Snakemake's shell adds to a job's environment (the rule's threads for every maths library, and its
+    # tmpdir), with the values it adds here: a test's own `python -m trainer` and a study's job then share a
+    # zygote, where they had one each (a zygote is a few seconds of imports).
+    threads = os.environ.get("OMP_NUM_THREADS")
+    for name in SNAKEMAKE_THREADS if threads else ():
+        os.environ.setdefault(name, threads)
+    for name in ("TMPDIR", "TMP", "TEMPDIR", "TEMP"):
+        os.environ.setdefault(name, tempfile.gettempdir())
 
 
 def start_warm_broker(directory: str) -> bool:
@@ -74,25 +84,38 @@ def pytest_unconfigure(config):
 CLUSTER_FILES = {"test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.py"}
 
 
+# The files whose tests share a module's fixture that is slow to build (an MLflow server over a synced study, the
+# rollout engines, vLLM's among them): their tests go to one process, which builds it once, rather than both.
+TOGETHER_FILES = {"test_mlflow_ui.py", "test_rollout_contract.py", "test_smollm2_rollout.py"}
+
+
 def on_cluster(path: str) -> bool:
     """Whether the test file at `path` (a node id's file part or a file name) is one of CLUSTER_FILES."""
     return path.rsplit("/", 1)[-1] in CLUSTER_FILES
 
 
+def scheduling_scope(nodeid: str) -> str:
+    """The unit the suite's processes are handed: the cluster, a file of TOGETHER_FILES, or else one test."""
+    path = nodeid.split("::")[0]
+    if on_cluster(path):
+        return "cluster"
+    return path if path.rsplit("/", 1)[-1] in TOGETHER_FILES else nodeid
+
+
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's scheduling by scope, where the scope of a test in CLUSTER_FILES is the cluster and every
-    other test is its own. (`--dist loadgroup` cannot group here: it renames the tests' ids, which pytest 9
-    no longer reads.) Scopes go out largest first (xdist's --loadscope-reorder, on by default), so the
-    cluster's, the longest, starts at once. Only `--dist load`, what `-n` does by default, is replaced: another
-    `--dist` keeps its own scheduler, without the grouping."""
+    """pytest-xdist's scheduling by scope (`scheduling_scope`): the tests of CLUSTER_FILES share one, those of
+    each file of TOGETHER_FILES one, and every other test is its own. (`--dist loadgroup` cannot group here:
+    it renames the tests' ids, which pytest 9 no longer reads.) Scopes go out largest first (xdist's
+    --loadscope-reorder, on by default), so the cluster's, the longest, starts at once. Only `--dist load`, what
+    `-n` does by default, is replaced: another `--dist` keeps its own scheduler, without the grouping."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ClusterTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "cluster" if on_cluster(nodeid.split("::")[0]) else nodeid
+            return scheduling_scope(nodeid)
 
     return ClusterTogether(config, log)
 

@@ -78,11 +78,11 @@ def test_runnable_doc_commands_run(page, line, commands, tmp_path):
     for entry in REPO.iterdir():
         if entry.name not in LEFT_OUT:
             (tmp_path / entry.name).symlink_to(entry)
-    # the repository first, then the suite's own entries: its warm start (tests/conftest.py) serves these jobs too
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     for at, _, words, _ in commands:
         program = _program_words(words)
-        env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1",
+        # the suite's PYTHONPATH, whose warm start (tests/conftest.py) serves these jobs too; the packages come
+        # from the directory, as a reader's do
+        env = dict(os.environ, OMP_NUM_THREADS="1",
                    **dict(word.split("=", 1) for word in words[:len(words) - len(program)]))
         done = subprocess.run(program, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])

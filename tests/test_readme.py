@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import importlib.util
 import io
+import json
 import re
 import runpy
 import shlex
@@ -69,6 +71,11 @@ def _program_words(words: list[str]) -> list[str]:
     while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
         words = words[1:]
     return words
+
+
+def _commands(words: list[str], kind: str) -> list[list[str]]:
+    """The commands that a page's command stands for: a usage line may stand for several."""
+    return _usage_tokens(_program_words(words)) if kind == "usage" else [_program_words(words)]
 
 
 def _is_command(words: list[str]) -> bool:
@@ -221,25 +228,45 @@ def check_snakemake(words: list[str], label: str, monkeypatch) -> None:
         check_study(study, REPO / "workflow" / "config" / "schema.yaml")
 
 
+# Every mlflow command of the pages, parsed in one child process (JSON lists of words in, one error or "" per
+# command out): importing MLflow costs a child 4-7 s of CPU, once rather than once per command. In a child:
+# resolving `mlflow ui` imports Flask, whose request proxies, once in this process's sys.modules, break
+# vLLM's start-up scan of every module (later tests build engines).
 _MLFLOW_PARSE = """
-import sys, click
+import contextlib, json, sys, click
 from mlflow.cli import cli
-command = cli.get_command(click.Context(cli), sys.argv[1])
-if command is None:
-    sys.exit(f"mlflow has no command {sys.argv[1]}")
-try:
-    command.make_context(sys.argv[1], sys.argv[2:])
-except click.ClickException as error:
-    sys.exit(error.format_message())
+
+def error(args):
+    command = cli.get_command(click.Context(cli), args[0])
+    if command is None:
+        return f"mlflow has no command {args[0]}"
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            command.make_context(args[0], args[1:])
+    except click.exceptions.Exit as exit:
+        return "" if exit.exit_code == 0 else f"exits with {exit.exit_code}"
+    except click.ClickException as error:
+        return error.format_message()
+    return ""
+
+print(json.dumps([error(args) for args in json.load(sys.stdin)]))
 """
 
 
+@functools.cache
+def _mlflow_errors() -> dict[tuple[str, ...], str]:
+    """Each mlflow command of the pages (its words after `mlflow`) and what MLflow's parser said of it."""
+    commands = sorted({tuple(command[1:]) for _, _, _, words, kind in COMMANDS for command in _commands(words, kind)
+                       if Path(command[0]).name == "mlflow"})
+    done = subprocess.run([sys.executable, "-c", _MLFLOW_PARSE], input=json.dumps(commands), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip(commands, json.loads(done.stdout), strict=True))
+
+
 def check_mlflow(words: list[str], label: str) -> None:
-    # In a child process: resolving `mlflow ui` imports Flask, whose request proxies, once in this
-    # process's sys.modules, break vLLM's start-up scan of every module (later tests build engines).
-    done = subprocess.run([sys.executable, "-c", _MLFLOW_PARSE, *words[1:]], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, f"{label}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}"
+    error = _mlflow_errors()[tuple(words[1:])]
+    assert not error, f"{label}: {error}"
 
 
 def check_make(words: list[str], label: str) -> None:
@@ -280,7 +307,7 @@ def test_the_pages_have_commands_of_every_kind():
 @pytest.mark.parametrize("page, line, text, words, kind", COMMANDS, ids=[f"{c[0]}:{c[1]}" for c in COMMANDS])
 def test_every_command_parses_as_written(page, line, text, words, kind, monkeypatch):
     label = f"{page} line {line}: `{text}`"
-    for command in _usage_tokens(_program_words(words)) if kind == "usage" else [_program_words(words)]:
+    for command in _commands(words, kind):
         program = Path(command[0]).name
         if command[0] in SHELL:
             continue

@@ -10,13 +10,13 @@ How a job process goes:
 - Python runs this directory's sitecustomize (PYTHONPATH), which calls `hand_off`. A process that is not
   `python -m trainer|eval` or `python -m sweep track|report` (ONLY, NEVER), or is one rank of a distributed
   launch, goes on as usual.
-- The *zygote* for the process's module and environment is found by a key: the interpreter, the module
-  and every environment variable but those that differ between one study's jobs and that no library reads
-  at import (IGNORED: a SLURM job's own variables among them). A library that reads a variable as it is
-  imported (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...) thus finds the job's own value. No zygote for the key:
-  this process asks the *broker* to start one, and waits for it to have imported. The broker, started by
-  tests/conftest.py outside of every job, is the zygotes' parent: a zygote asked for by a SLURM job does not
-  end with that job's processes.
+- The *zygote* for the process's module and environment is found by a key: the interpreter (through its
+  environment's real path), the module and every environment variable but those that differ between one
+  study's jobs and that no library reads at import (IGNORED: a SLURM job's own variables among them). A
+  library that reads a variable as it is imported (HF_HUB_OFFLINE, OMP_NUM_THREADS, ...) thus finds the
+  job's own value. No zygote for the key: this process asks the *broker* to start one, and waits for it to
+  have imported. The broker, started by tests/conftest.py outside of every job, is the zygotes' parent: a
+  zygote asked for by a SLURM job does not end with that job's processes.
 - The process (the *client*) sends the zygote its argv, environment, working directory, umask and ignored
   signals, and its stdin, stdout and stderr as file descriptors. The zygote forks a *reaper*, which says it
   is ready. Only then does the client say go, and from then on it is committed: it never starts the module
@@ -57,7 +57,12 @@ ONLY = {"sweep": ("track", "report")}
 NEVER = {"sweep": ("--follow",)}
 # Environment variables that vary between the processes of one study and that nothing reads at import time.
 IGNORED = frozenset({"PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PWD", "OLDPWD", "SHLVL", "_",
-                     "KLSTUDY_WARM_READY_S"})
+                     "KLSTUDY_WARM_READY_S",
+                     # MLflow's client reads these when it calls a server (the tracking tests give each process
+                     # its server and credentials), torch this one when it compiles (set in a test process by
+                     # the first that compiles, and inherited by every process it starts from then on)
+                     "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+                     "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT", "TORCHINDUCTOR_CACHE_DIR"})
 # A SLURM job's variables (its id, node, task; submitit's folder) differ from job to job; torch, transformers,
 # accelerate, lm-eval and the hub client read none of them at import (only when a run asks).
 IGNORED_PREFIXES = ("SLURM_", "SLURMD_", "SUBMITIT_")
@@ -77,15 +82,23 @@ PRELOAD = {"trainer": ("trainer.__main__:_quiet_libraries", *_LIBRARIES),
            "sweep": ("sweep.figures:_pyplot", "sweep.tracking", "sweep.report", "mlflow", "mlflow.tracking",
                      "mlflow.store.tracking.sqlalchemy_store", "scipy.stats")}
 STOP_POLL_S = 0.1  # how often a reaper looks whether its client is stopped
-IDLE_S = 60.0  # a zygote that has forked nothing for this long exits (each holds 0.6-0.8 GB)
+IDLE_S = 300.0  # a zygote that has forked nothing for this long exits (each holds 0.3-0.5 GB of its own)
 # How long a client waits for a new zygote's imports, and then for its reaper (KLSTUDY_WARM_READY_S: a test's).
 READY_S = float(os.environ.get("KLSTUDY_WARM_READY_S", "300"))
 GO = struct.pack("!i", 0)  # the client's go: the worker may start (what follows are signal numbers, never 0)
 
 
+def _interpreter() -> str:
+    """This interpreter, named through its environment's real path: `.venv/bin/python` in a directory whose
+    `.venv` is a link (each runnable doc command runs in a copy of the repository made of links) is the same
+    interpreter with the same packages, and gets the same zygote."""
+    inside = os.path.relpath(sys.executable, sys.prefix)
+    return sys.executable if inside.startswith(os.pardir) else os.path.join(os.path.realpath(sys.prefix), inside)
+
+
 def _key(module: str, environ: dict[str, str]) -> str:
     kept = sorted((k, v) for k, v in environ.items() if k not in IGNORED and not k.startswith(IGNORED_PREFIXES))
-    return hashlib.sha256(json.dumps([sys.executable, module, kept]).encode()).hexdigest()[:20]
+    return hashlib.sha256(json.dumps([_interpreter(), module, kept]).encode()).hexdigest()[:20]
 
 
 def _wanted() -> str | None:
@@ -169,7 +182,7 @@ def _zygote_socket(directory: str, module: str, key: str) -> socket.socket | Non
             return None
         with broker:
             broker.settimeout(READY_S)
-            _send(broker, {"python": sys.executable, "key": key, "module": module, "env": dict(os.environ),
+            _send(broker, {"python": _interpreter(), "key": key, "module": module, "env": dict(os.environ),
                            "cwd": os.getcwd()})
             zygote = _receive(broker)[0]["pid"]
         deadline = time.monotonic() + READY_S
