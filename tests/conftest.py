@@ -84,9 +84,9 @@ def pytest_unconfigure(config):
 CLUSTER_FILES = {"test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.py"}
 
 
-# The files whose tests share a module's fixture that is slow to build (an MLflow server over a synced study, the
-# rollout engines, vLLM's among them): their tests go to one process, which builds it once, rather than both.
-TOGETHER_FILES = {"test_mlflow_ui.py", "test_rollout_contract.py", "test_smollm2_rollout.py"}
+# The files whose tests share a fixture that is slow to build (an MLflow server over a synced study, the rollout
+# engines, vLLM's among them, the hub server): their tests go to one process, which builds it once, not both.
+TOGETHER_FILES = {"test_mlflow_ui.py", "test_rollout_contract.py", "test_smollm2_rollout.py", "test_hub_server.py"}
 
 
 def on_cluster(path: str) -> bool:
