@@ -1,7 +1,6 @@
 """Training with rollouts from vLLM (its CPU build here; CI requires it): rollouts a step ahead of
 the policy, SIGKILL, resume. Each run starts its own engine, so this is one run and its resumption."""
 
-
 import pytest
 from rounding import assert_same_statistic, logprob_rounding, statistic_rounding
 from run_helpers import TOY_RUN, kill_cli, metrics, objective, start_cli, train_cli, wait_for_lines
