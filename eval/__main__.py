@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -94,4 +95,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    gc.freeze()  # the interpreter's last collections skip lm-eval's, torch's and the models' objects: 1.3 s of CPU
+    sys.exit(status)

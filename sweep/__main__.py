@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import signal
@@ -128,4 +129,6 @@ def _study(configfiles: list[Path]):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    gc.freeze()  # the interpreter's last collections skip MLflow's, matplotlib's and SciPy's objects as it exits
+    sys.exit(status)
