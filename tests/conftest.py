@@ -85,8 +85,10 @@ CLUSTER_FILES = {"test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.p
 
 
 # The files whose tests share a fixture that is slow to build (an MLflow server over a synced study, the rollout
-# engines, vLLM's among them, the hub server): their tests go to one process, which builds it once, not both.
-TOGETHER_FILES = {"test_mlflow_ui.py", "test_rollout_contract.py", "test_smollm2_rollout.py", "test_hub_server.py"}
+# engines, vLLM's among them, the hub server, the tracking tests' MLflow server): their tests go to one process,
+# which builds it once, not both.
+TOGETHER_FILES = {"test_mlflow_ui.py", "test_rollout_contract.py", "test_smollm2_rollout.py", "test_hub_server.py",
+                  "test_tracking.py"}
 
 
 # The files whose tests take the longest, longest first (one run of today's tests on 2 cores: the cluster's 510 s,
