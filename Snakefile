@@ -41,7 +41,7 @@ from trainer.objective import plugins
 
 min_version("9.0")
 # Snakemake's process ends without its last collections walking every object it made (gc.freeze at exit):
-# 0.5-0.8 s of the 2-3 s of CPU that a dry run of the quick toy study takes.
+# about 0.3 s of the 1.5 s of CPU that a dry run of the quick toy study takes.
 atexit.register(gc.freeze)
 
 try:

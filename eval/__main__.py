@@ -96,5 +96,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    gc.freeze()  # the interpreter's last collections skip lm-eval's, torch's and the models' objects: 1.3 s of CPU
+    gc.freeze()  # the interpreter's last collections skip lm-eval's, torch's and the models' objects: about 1 s of CPU
     sys.exit(status)

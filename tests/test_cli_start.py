@@ -2,8 +2,8 @@
 help and usage errors without torch (trainer.model.toy_spec), and quieting transformers without
 loading it (trainer.__main__._quiet_libraries), so that the audit, which loads no model, never does.
 And how the command lines end: with what they made frozen (gc.freeze), so that the interpreter's last
-collections skip it (about 2 s of CPU at the end of a trainer process, 1.3 s of an evaluation's,
-2-4 s of a study report's, 0.5-0.8 s of a Snakemake dry run's)."""
+collections skip it (about 1 s of CPU at the end of a trainer process, an evaluation or a study
+report, 0.3 s of a Snakemake dry run)."""
 
 import subprocess
 import sys

@@ -145,7 +145,7 @@ def test_libraries_imported_ahead_see_the_environment_of_the_process(warm, tmp_p
 def test_a_worker_ends_without_collecting_what_its_zygote_imported(warm, tmp_path):
     """The zygote freezes its objects (gc.freeze) before it forks: the collections a worker makes, the last
     ones as it exits among them, skip the libraries' millions of objects (for the trainer and lm-eval they
-    took about 1.5 s of CPU per job) and leave the memory the worker shares with its zygote untouched."""
+    took about 1.2 s of CPU per job) and leave the memory the worker shares with its zygote untouched."""
     process = probe(warm, "gc", stdout=subprocess.PIPE, text=True)
     seen = json.loads(process.communicate(timeout=120)[0])
     assert process.returncode == 0

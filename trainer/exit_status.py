@@ -24,7 +24,7 @@ def exit_with(status: int, limit_s: int = SHUTDOWN_LIMIT_S) -> None:
     checkpoint would otherwise die by the signal (143) and the job end FAILED rather than preempted.
     Ignored, not handled: the interpreter drops Python handlers as it shuts down. What the process made is
     frozen (gc.freeze), so that the interpreter's last collections, as it exits, skip it: walking the
-    objects of torch, transformers and the run took about 2 s of CPU at the end of every trainer process."""
+    objects of torch, transformers and the run took about 1 s of CPU at the end of every trainer process."""
     if status == EXIT_PREEMPTED:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if status:

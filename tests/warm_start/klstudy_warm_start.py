@@ -18,7 +18,7 @@ How a job process goes:
   have imported. The broker, started by tests/conftest.py outside of every job, is the zygotes' parent: a
   zygote asked for by a SLURM job does not end with that job's processes.
 - The zygote freezes what its imports made (`gc.freeze`) before it forks: a worker's collections, the last
-  ones as it exits among them, then skip the libraries' objects. Walking them took about 1.5 s of CPU as
+  ones as it exits among them, then skip the libraries' objects. Walking them took about 1.2 s of CPU as
   each worker of the trainer or lm-eval exited, and wrote to memory the worker shared with its zygote.
 - The process (the *client*) sends the zygote its argv, environment, working directory, umask and ignored
   signals, and its stdin, stdout and stderr as file descriptors. The zygote forks a *reaper*, which says it
