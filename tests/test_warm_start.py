@@ -46,8 +46,10 @@ if mode == "report":
     sys.exit(3)
 if mode == "gc":  # what the zygote imported is out of the cyclic collector's reach; what the job makes is not
     import gc
-    print(json.dumps({"frozen": gc.get_freeze_count(), "imported": imported_env.MARK in gc.get_objects(),
-                      "enabled": gc.isenabled(), "made": [] in gc.get_objects()}))
+    made, tracked = ["made here"], gc.get_objects()
+    print(json.dumps({"frozen": gc.get_freeze_count(), "enabled": gc.isenabled(),
+                      "imported": any(o is imported_env.MARK for o in tracked),
+                      "made": any(o is made for o in tracked)}))
     sys.exit(0)
 if mode == "once":
     with open(sys.argv[2], "a") as f:
