@@ -13,9 +13,11 @@ import threading
 from pathlib import Path
 
 log = logging.getLogger("sweep")
+DEFAULT_STUDY = Path("workflow/config/toy.yaml")  # the Snakefile's, where no --configfile is given
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sweep import configfiles
     from trainer.objective import plugins
 
     try:
@@ -53,17 +55,14 @@ def main(argv: list[str] | None = None) -> int:
                        description="Reads the study's run directories (nothing else) and prints each grid point's "
                        "state: done (with its evaluations), failed (the reason, the step, its log), running (the "
                        "lease holder, its SLURM job, the last step) or pending, with the counts.")
-    s.add_argument("--configfile", type=Path, nargs="+", default=[Path("workflow/config/toy.yaml")],
-                   help="the study config, and override files merged over it in order, as given to snakemake "
-                        "(default workflow/config/toy.yaml)")
+    configfiles.add_option(s, default=DEFAULT_STUDY)
     s.add_argument("--state", choices=("done", "failed", "running", "pending"), action="append", default=[],
                    help="list only the points in this state (repeatable; the counts cover every point)")
     s.add_argument("--json", action="store_true", help="print the points as JSON instead")
     f = sub.add_parser("fetch", help="a study's hub models and data sets into the Hugging Face cache",
                        description="Run on a node with the network (and the token of a gated model), before the "
                        "study's jobs, which run offline: downloads what the cache lacks, and says what it fetched.")
-    f.add_argument("--configfile", type=Path, nargs="+", required=True,
-                   help="the study config, and override files merged over it in order, as given to snakemake")
+    configfiles.add_option(f, required=True)
     args = parser.parse_args(argv)
     ended = threading.Event()
     if args.command == "track" and args.follow:  # at once: the job may signal before MLflow is imported
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "status":
             from sweep import status
 
-            study = _study(args.configfile)
+            study = _study(args.configfile or [DEFAULT_STUDY])
             points = status.study_status(study)
             print(json.dumps(status.records(points), indent=1) if args.json
                   else "\n".join(status.report(study, points, tuple(args.state))))
@@ -113,19 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _study(configfiles: list[Path]):
+def _study(files: list[Path]):
     """The study that these config files make, merged in order as Snakemake merges them."""
-    import yaml
-
-    from sweep.checks import StudyError, merge
+    from sweep import configfiles
     from sweep.grid import load_study
 
-    config: dict = {}
-    for path in configfiles:
-        if not path.is_file():
-            raise StudyError(f"--configfile {path}: no such file (the study config you give snakemake)")
-        config = merge(config, yaml.safe_load(path.read_text()) or {})
-    return load_study(config)
+    return load_study(configfiles.read(files))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ is to run jobs (the Snakefile's onstart) for whatever the cache lacks. The jobs 
 
 from __future__ import annotations
 
+import shlex
+
+from sweep import configfiles
 from sweep.checks import StudyError
 from sweep.hub_needs import Need, cached
 
@@ -16,9 +19,9 @@ class FetchError(StudyError):
     """A model or data set that could not be fetched; the message names its study key."""
 
 
-def command(configfiles) -> str:
+def command(files) -> str:
     """The command that fetches a study's models and data sets (for messages and docs)."""
-    return "python -m sweep fetch " + " ".join(f"--configfile {path}" for path in configfiles or ["STUDY.yaml"])
+    return shlex.join(["python", "-m", "sweep", "fetch", *configfiles.arguments(files)])
 
 
 def fetch_missing(needs: list[Need], say=print) -> list[Need]:

@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from sweep import configfiles
 from trainer.lease import process_alive as _alive
 from trainer.lease import process_start_time as _start_time
 
@@ -61,9 +62,10 @@ def release(directory: Path = Path(".")) -> None:
         pass
 
 
-def unlock_command(snakefile: Path, directory: Path, configfiles: list[Path]) -> list[str]:
-    """The command that releases a study directory's lock, with absolute paths: it runs from anywhere."""
-    configs = [arg for config in configfiles for arg in ("--configfile", str(Path(config).resolve()))]
+def unlock_command(snakefile: Path, directory: Path, files: list[Path]) -> list[str]:
+    """The command that releases a study directory's lock, with absolute paths: it runs from anywhere. The
+    config files follow one --configfile (sweep.configfiles): the study grown by an override file is both."""
+    configs = configfiles.arguments(files, absolute=True) if files else []
     return [sys.executable, "-m", "snakemake", "--snakefile", str(Path(snakefile).resolve()),
             "--directory", str(Path(directory).resolve()), *configs, "--unlock"]
 

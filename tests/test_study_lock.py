@@ -1,12 +1,17 @@
 """Who holds a study directory's lock: a dead holder's lock is released, a possibly live one refused."""
 
+import contextlib
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from sweep import study_lock
 
@@ -54,3 +59,32 @@ def test_a_failed_unlock_is_one_clear_error(tmp_path):
     unlock = [sys.executable, "-c", "import sys; sys.exit('the metadata database is read-only')"]
     with pytest.raises(study_lock.StudyLocked, match="could not be released: the metadata database is read-only"):
         study_lock.check(["snakemake"], unlock, tmp_path)
+
+
+def test_the_release_and_the_fetch_command_give_every_config_file_after_one_flag(tmp_path):
+    """Snakemake keeps only the last of repeated --configfile flags: a study grown by an override file is both files
+    after one flag, or its nested --unlock reads the override alone ('study: required')."""
+    from sweep import fetch
+
+    base, grown = tmp_path / "study.yaml", tmp_path / "grown.yaml"
+    unlock = study_lock.unlock_command(tmp_path / "Snakefile", tmp_path, [base, grown])
+    assert unlock[unlock.index("--configfile"):] == ["--configfile", str(base), str(grown), "--unlock"]
+    assert unlock.count("--configfile") == 1
+    assert fetch.command([base, grown]) == f"python -m sweep fetch --configfile {base} {grown}"
+    assert fetch.command(None) == "python -m sweep fetch --configfile STUDY.yaml"
+
+
+def test_klstudys_commands_read_a_list_of_config_files_in_either_form(tmp_path):
+    """`--configfile A B` and `--configfile A --configfile B` are both the study A grown by B."""
+    from sweep.__main__ import main
+
+    base, grown = tmp_path / "study.yaml", tmp_path / "grown.yaml"
+    study = yaml.safe_load((Path(__file__).parents[1] / "workflow" / "config" / "toy_quick.yaml").read_text())
+    base.write_text(yaml.safe_dump({**study, "results": str(tmp_path / "results")}))
+    grown.write_text(yaml.safe_dump({"grid": {"seeds": [0, 1]}}))
+    outputs = []
+    for argv in (["--configfile", str(base), str(grown)], ["--configfile", str(base), "--configfile", str(grown)]):
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            assert main(["status", *argv, "--json"]) == 0
+        outputs.append(json.loads(printed.getvalue()))
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8  # 3 configurations and the baseline, 2 seeds
