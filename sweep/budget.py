@@ -12,10 +12,11 @@ The other jobs have no per-step cost: their GPU-hours are at most their GPUs x t
 
 Before its time limit a job is told to stop (submitit's `signal_delay`: profiles/slurm sets 120 s); the
 executor gives the training command `signal_delay - 20` s of it. In that time the trainer finishes its
-current step, then one process writes the whole weights and Adam's two moments: three copies of the
-weights in the run's `model.dtype`. Their size comes from the model's safetensors headers: its local
-directory, the prepared model or the hub cache, else (where this node is online) the headers the hub
-serves, a few kilobytes per file; the write speed is
+current step, then one process writes what the train state holds (trainer.checkpoint_copies): the
+weights and AdamW's two moments, and the reference where it moves (`objective.ref_refresh_every`):
+three or four copies of the weights in the run's `model.dtype`. Their size comes from the model's
+safetensors headers: its local directory, the prepared model or the hub cache, else (where this node
+is online) the headers the hub serves, a few kilobytes per file; the write speed is
 `budget.write_mb_per_s` (a stated 500 MB/s unless the study gives its file system's).
 """
 
@@ -31,13 +32,13 @@ from typing import Any, Mapping
 
 from sweep.executor_settings import executor_setting
 from sweep.grid import Study
+from trainer.checkpoint_copies import weight_copies
 from trainer.config import ModelConfig, TrainConfig
 
 SAMPLED_RUNS = 16        # runs per model whose logged step times price the rest
 EXECUTOR_MARGIN_S = 20   # snakemake_executor_plugin_submitit: the command gets signal_delay - 20 s (at least 10)
 DEFAULT_SIGNAL_DELAY_S = 90  # the executor's own default, where neither the command line nor a profile sets it
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}  # auto: the checkpoint's own dtype, float32 at most
-COPIES = 3               # the weights, and AdamW's exp_avg and exp_avg_sq in the same dtype (trainer.run.state)
 SLURM_EARLY_S = 60       # SLURM checks every 30 s and may send the warning up to 60 s before signal_delay
 
 
@@ -162,29 +163,48 @@ def checkpoint_lines(study: Study, steps_left: Mapping[str, int], signal_delay: 
         if not runs:
             continue
         lines += _runtime_lines(model, study.resources_for("train", model).get("runtime"), delay)
-        dtype = study.run(runs[0]).config.get("model", {}).get("dtype", ModelConfig.dtype)
         params = parameter_count(study, model)
         if params is None:
             why = ("the prepare step has not built it yet" if study.models[model].prepared
                    else "its weights are neither on this node nor readable from the hub from here")
             lines.append(f"    {model}: size unknown ({why})")
             continue
-        size_mb = params * BYTES.get(dtype, 4) * COPIES / 1e6
-        write_s = size_mb / speed
-        step_s = step_cost(study, model).seconds
-        said = (f"    {model}: {_count(params)} parameters x {COPIES} x {dtype} = {_size(size_mb)}, "
-                f"written in {_seconds(write_s)} s")
-        if step_s is None:
-            said, need = f"{said} after a step of unknown time", write_s
-        else:
-            said, need = f"{said} after a step of {step_s:.3g} s", write_s + step_s
-        if need <= grace:
-            lines.append(f"{said}: enough" + (" for the write" if step_s is None else ""))
-        else:
-            lines.append(f"{said}: NOT enough: set the executor's signal delay to at least "
-                         f"{math.ceil(need) + EXECUTOR_MARGIN_S} s (`submitit-signal-delay` in the profile), or "
-                         "the job is killed mid-write and resumes from its previous checkpoint")
+        for (dtype, copies), alike in _checkpoints(study, runs).items():
+            some = alike if len(alike) < len(runs) else []
+            lines.append(_checkpoint_line(model, params, dtype, copies, some, step_cost(study, model).seconds,
+                                          speed, grace))
     return lines
+
+
+def _checkpoints(study: Study, runs: list[str]) -> dict[tuple[str, tuple[tuple[str, int], ...]], list[str]]:
+    """The runs grouped by what their checkpoints hold: (dtype, the copies of the weights) -> run ids."""
+    groups: dict[tuple[str, tuple[tuple[str, int], ...]], list[str]] = {}
+    for run in runs:
+        config = study.run(run).config
+        key = (config.get("model", {}).get("dtype", ModelConfig.dtype), tuple(weight_copies(config).items()))
+        groups.setdefault(key, []).append(run)
+    return groups
+
+
+def _checkpoint_line(model: str, params: int, dtype: str, copies: tuple[tuple[str, int], ...], some: list[str],
+                     step_s: float | None, speed: float, grace: int) -> str:
+    """One group's line (`some`: its runs, where the model's others save another checkpoint): the checkpoint's
+    size, its write time, and whether the grace covers it and a step."""
+    count = sum(number for _, number in copies)
+    size_mb = params * BYTES.get(dtype, 4) * count / 1e6
+    write_s = size_mb / speed
+    which = f" ({len(some)} of its runs, such as {some[0]})" if some else ""
+    said = (f"    {model}{which}: {_count(params)} parameters x {count} ({', '.join(name for name, _ in copies)}) x "
+            f"{dtype} = {_size(size_mb)}, written in {_seconds(write_s)} s")
+    if step_s is None:
+        said, need = f"{said} after a step of unknown time", write_s
+    else:
+        said, need = f"{said} after a step of {step_s:.3g} s", write_s + step_s
+    if need <= grace:
+        return f"{said}: enough" + (" for the write" if step_s is None else "")
+    return (f"{said}: NOT enough: set the executor's signal delay to at least {math.ceil(need) + EXECUTOR_MARGIN_S} "
+            "s (`submitit-signal-delay` in the profile), or the job is killed mid-write and resumes from its "
+            "previous checkpoint")
 
 
 def _runtime_lines(model: str, runtime: Any, delay: int) -> list[str]:

@@ -1,7 +1,8 @@
 """The plan's budget (sweep.budget): training priced by steps x seconds per step x GPUs, the seconds measured
 on the study's own runs before any estimate; the other jobs bounded by their time limits; and whether the
 executor's signal delay leaves time for a step and the checkpoint, whose size it reckons from the model's
-safetensors headers as three copies of the weights (checked against a checkpoint the trainer writes)."""
+safetensors headers as the copies of the weights the train state saves (checked against checkpoints the trainer
+writes, with and without a reference that moves)."""
 
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ def test_the_checkpoint_check_says_whether_the_signal_delay_is_enough(tmp_path):
     steps_left = {run.run_id: 250 for run in study.runs}
     # 750,000 x 3 x float32 = 9 MB, at 0.1 MB/s: 90 s, after a 50 s step: 140 s, more than 120 - 20
     short = budget.checkpoint_lines(study, steps_left, (120, "--submitit-signal-delay"))
-    assert short[1] == ("    Qwen2.5-7B: 750,000 parameters x 3 x float32 = 9.0 MB, written in 90 s after a step "
-                        "of 50 s: NOT enough: set the executor's signal delay to at least 160 s "
+    assert short[1] == ("    Qwen2.5-7B: 750,000 parameters x 3 (weights, AdamW's moments) x float32 = 9.0 MB, "
+                        "written in 90 s after a step of 50 s: NOT enough: set the executor's signal delay to at least 160 s "
                         "(`submitit-signal-delay` in the profile), or the job is killed mid-write and resumes from "
                         "its previous checkpoint")
     assert budget.checkpoint_lines(study, steps_left, (160, "x"))[1].endswith(": enough")
@@ -121,25 +122,43 @@ def test_a_training_runtime_within_the_warnings_reach_from_the_start_is_said(tmp
     assert not any("runtime" in line for line in lines(4, 120) + lines(3, 90))
 
 
-def test_three_copies_of_the_weights_are_what_the_trainer_writes(tmp_path):
-    """The size the check reckons against a checkpoint written as the trainer writes it: the weights, and
-    the AdamW state of one update, gathered whole."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def test_a_reference_that_moves_is_a_fourth_copy_for_the_runs_that_save_it(tmp_path):
+    """paper_offpolicy.yaml's reset-every-50 run saves its reference too: 4 copies where its 6 other presets save 3
+    (7.6B parameters in float32: 244 s, not 183 s, at 500 MB/s)."""
+    weights = tmp_path / "qwen"
+    write_model(weights, {"embed": (1000, 500), "layer.0": (500, 500)})  # 750,000 parameters
+    config = yaml.safe_load((REPO / "workflow" / "config" / "paper_offpolicy.yaml").read_text())
+    config["models"] = {"Qwen2.5-7B": {**config["models"]["Qwen2.5-7B"], "path": str(weights)}}
+    study = load_study({**config, "results": str(tmp_path), "budget": {"step_seconds": 50, "write_mb_per_s": 0.1}})
+    lines = budget.checkpoint_lines(study, {run.run_id: 10 for run in study.runs}, (300, "x"))
+    reset = "Qwen2.5-7B__k1-reward-centred__b0.005__preset-paper-k1-reward-reset50__s0"
+    assert reset in study.by_id and len(study.runs) == 7
+    assert lines[1:] == [
+        "    Qwen2.5-7B (6 of its runs, such as Qwen2.5-7B__k1-reward-centred__b0.005__preset-paper-k1-reward__s0): "
+        "750,000 parameters x 3 (weights, AdamW's moments) x float32 = 9.0 MB, written in 90 s after a step of 50 s: enough",
+        f"    Qwen2.5-7B (1 of its runs, such as {reset}): 750,000 parameters x 4 (weights, AdamW's moments, the "
+        "reference) x float32 = 12.0 MB, written in 120 s after a step of 50 s: enough"]
 
-    from trainer import checkpoint
-    from trainer.distributed import full_optimizer_state
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
-    optimizer.step()
-    written = checkpoint.save(tmp_path / "checkpoints", 1, model,
-                              {"optimizer": full_optimizer_state(model, optimizer)}, keep=1)
+@pytest.mark.parametrize("moving_reference", [False, True])
+def test_the_copies_priced_are_what_the_train_state_saves(tmp_path, toy_model, moving_reference):
+    """A checkpoint of a real run, as the trainer writes it, against the copies the budget prices for its config
+    (the files' other bytes, the tokenizer, config and random states, are a few kilobytes)."""
+    from run_helpers import overrides, trainer_in_process
+
+    from trainer.checkpoint_copies import weight_copies
+    from trainer.config import from_dict
+
+    extra = {"train.steps": 2, "checkpoint.every": 2, **({"objective.ref_refresh_every": 1} if moving_reference else {})}
+    done = trainer_in_process("train", "--out", str(tmp_path / "run"), *overrides(toy_model, **extra))
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = tmp_path / "run" / "checkpoints" / "step_2"
     size = sum(path.stat().st_size for path in written.rglob("*") if path.is_file())
     params = sum(budget._tensor_elements(path) for path in (written / "model").glob("*.safetensors"))
-    assert params == sum(p.numel() for p in model.parameters())
-    assert size == pytest.approx(params * 4 * budget.COPIES, rel=0.05)
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    copies = sum(weight_copies(from_dict(config)).values())
+    assert copies == (4 if moving_reference else 3)
+    assert size == pytest.approx(params * 4 * copies, rel=0.05, abs=200_000)
 
 
 def test_the_signal_delay_comes_from_the_command_line_the_environment_the_profile_or_the_default(tmp_path):

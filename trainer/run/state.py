@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from trainer import checkpoint
+from trainer.checkpoint_copies import holds_reference
 from trainer.config import ConfigError, RunConfig
 from trainer.distributed import full_optimizer_state, full_state_dict, load_full_state_dict, load_optimizer_state
 from trainer.objective.kl_coefficient import KLCoefficient
@@ -89,7 +90,7 @@ def checkpoint_state(run: "Run") -> dict[str, Any]:
              "kl_coefficient": s.coefficient.state_dict(),
              "optimizer": full_optimizer_state(policies.policy, s.optimizer),
              "scheduler": s.scheduler.state_dict(), "processes": run.world.gather(process_state(run))}
-    if run.config.objective.ref_refresh_every:  # the reference moves: it is part of the run's state
+    if holds_reference(run.config):  # the reference moves: it is part of the run's state
         state["reference"] = full_state_dict(policies.reference, prefix="lm.")
     return state
 
@@ -125,7 +126,7 @@ def restore(run: "Run") -> None:
     s.nonfinite_in_row = state["nonfinite_in_row"]
     if "kl_coefficient" in state:
         s.coefficient.load_state_dict(state["kl_coefficient"])
-    if run.config.objective.ref_refresh_every:
+    if holds_reference(run.config):
         load_full_state_dict(run.policies.reference, state["reference"], prefix="lm.")
     load_optimizer_state(run.policies.policy, s.optimizer, state["optimizer"])
     s.scheduler.load_state_dict(state["scheduler"])
