@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from eval import provenance
 from eval.data import DataError, is_local, read_records
 from eval.suites import NEEDS_DATA, REQUIRED_FIELDS, TASKS
 
@@ -173,9 +174,11 @@ def _add_versions(storage: dict[str, Any]) -> None:
                    lm_eval_version=importlib.metadata.version("lm_eval"))
 
 
-def evaluate(settings: EvalSettings, out_dir: Path) -> dict[str, Any]:
-    """Run the tasks; write out_dir/metrics.json and out_dir/samples.jsonl; return the metrics."""
+def evaluate(settings: EvalSettings, out_dir: Path, model_record: Path | None = None) -> dict[str, Any]:
+    """Run the tasks; write out_dir/metrics.json (with what made it: eval.provenance, the model named by
+    `model_record` where given) and out_dir/samples.jsonl; return the metrics."""
     _check_settings(settings)
+    made_by = provenance.record(settings, model_record)  # before the model loads: what it is given, as given
     out_dir = Path(out_dir)
     task_dir = out_dir / "tasks"
     task_dir.mkdir(parents=True, exist_ok=True)
@@ -192,7 +195,7 @@ def evaluate(settings: EvalSettings, out_dir: Path) -> dict[str, Any]:
         task_manager=manager, batch_size=settings.batch_size, limit=settings.limit, log_samples=True,
         apply_chat_template=settings.chat_template, random_seed=settings.seed, numpy_random_seed=settings.seed,
         torch_random_seed=settings.seed)
-    metrics = _metrics(settings, result)
+    metrics = {**_metrics(settings, result), "provenance": made_by}
     lines = []
     for task in settings.tasks:
         for sample in result["samples"].get(task, []):
