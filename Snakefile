@@ -3,12 +3,13 @@
 The study config (default workflow/config/toy.yaml; another with --configfile) is checked whole
 before any job starts (sweep.study_check): once by sweep.grid, against the study schema
 workflow/config/schema.yaml (sweep.study_schema) and then every run's trainer config, then against
-this machine (model paths, devices against GPUs, run directories trained with another config, hub
-models and data sets missing from the cache where this node is offline); each error is one line that
-names the key. Each pending run's config is written to <results>/configs/<run id>.yaml, which its
-training job reads (sweep.run_configs). A
-dry run (-n) also prints the plan (sweep.plan): each job's resources and sbatch options, and where
-each run starts. Every rule calls a package CLI, so each job is a command a person can run by hand.
+this machine and the results so far (the results directory another study's (sweep.owner), model
+paths, devices against GPUs, runs and evaluations made otherwise than the study says now
+(sweep.changes), hub models and data sets missing from the cache where this node is offline); each
+error is one line that names the key. Each pending run's config is written to
+<results>/configs/<run id>.yaml, which its training job reads (sweep.run_configs). A dry run (-n) also
+prints the plan (sweep.plan): each job's resources and sbatch options, and where each run starts.
+Every rule calls a package CLI, so each job is a command a person can run by hand.
 
 Jobs run offline (sweep.job_env): before the first one, this process fetches the study's hub models and
 data sets that the cache lacks (sweep.fetch, with this node's network and token), then gives every job
@@ -17,8 +18,9 @@ an environment where the hub is out of reach and no token is set.
 The run directories are the state (sweep.jobs): a finished run (COMPLETE) or evaluation
 (metrics.json) is never in a job again, so re-running the same command, after any kill, finishes only
 what is missing, and a study that grows (seeds, betas, any axis value) runs only its new points.
-`--config rerun=failed` or `--config rerun=ID[,ID...]` first moves those points' outputs aside
-(sweep.rerun), so that they are trained and evaluated again from scratch.
+`--config rerun=failed`, `rerun=changed` or `rerun=ID[,ID...]` (run ids and evaluation keys) first moves
+those outputs aside (sweep.rerun), so that they are trained and evaluated again from scratch; so are
+evaluations whose model is no longer there (their run was deleted or trained again).
 """
 
 import atexit
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from snakemake.utils import min_version
 
-from sweep import fetch, hub_needs, job_env, jobs, rerun, study_lock
+from sweep import changes, fetch, hub_needs, job_env, jobs, owner, rerun, study_lock
 from sweep.grid import StudyError
 from sweep.plan import plan
 from sweep.study_check import check_nodes, check_study, preflight
@@ -76,22 +78,29 @@ if MAIN:
     if released:
         print(released, file=sys.stderr)
 
+# What the results hold against what the study says now (sweep.changes): stale evaluations and what
+# --config rerun=... names are moved aside (sweep.rerun); anything else made otherwise stops the study here.
+CHECKS = MAIN and "--unlock" not in sys.argv  # releasing a lock reads nothing of the results
+DISCARDED = rerun.Discarded()
 try:
-    chosen = []
-    if MAIN and RERUN is not None:
-        chosen = rerun.discard(STUDY, RERUN, dry_run=not RUNS_JOBS)
-        said = "discarded, to run again from scratch" if RUNS_JOBS else "would be discarded and run again"
-        print(f"klstudy rerun: {len(chosen)} point(s) {said}: {', '.join(chosen) or 'none'}", file=sys.stderr)
-    NOTES = preflight(STUDY, rerun=set(chosen), configfiles=workflow.config_settings.configfiles) if MAIN else []
+    NOTES = []
+    if CHECKS:
+        owner.check(STUDY, claim=RUNS_JOBS)
+        SURVEY = changes.survey(STUDY)
+        DISCARDED = rerun.discard(STUDY, RERUN, SURVEY, dry_run=not RUNS_JOBS)
+        for line in rerun.said(STUDY, DISCARDED, done=RUNS_JOBS, named=RERUN is not None):
+            print(line, file=sys.stderr)
+        NOTES = preflight(STUDY, SURVEY, DISCARDED, configfiles=workflow.config_settings.configfiles)
 except StudyError as error:
     raise WorkflowError(f"study config: {error}") from None
 for line in NOTES:
     print(line, file=sys.stderr)
 
 # What is left to do, in jobs: planned (and recorded) by the main process, read back by a job's own.
-WORK = jobs.plan(STUDY, record=RUNS_JOBS) if MAIN else jobs.recorded(STUDY)
+WORK = (jobs.plan(STUDY, record=RUNS_JOBS, redo_runs=DISCARDED.runs, redo_evaluations=DISCARDED.all_evaluations)
+        if MAIN else jobs.recorded(STUDY))
 if MAIN and workflow.output_settings.dryrun:
-    print("\n".join(plan(STUDY, WORK, sys.argv, os.environ)))
+    print("\n".join(plan(STUDY, WORK, sys.argv, os.environ, discarded=DISCARDED.runs)))
 
 
 def fetch_then_go_offline():
@@ -182,6 +191,11 @@ include: "workflow/rules/report.smk"
 
 
 rule all:
+    """The report, and every run's and evaluation's `.done` file: a point discarded for a rerun (or a run directory
+    deleted by hand) is then trained and evaluated again, and the report redone, even where the report is newer
+    than every file that is left (Snakemake would otherwise leave a missing intermediate file missing)."""
     default_target: True
     input:
         rules.report.output,
+        [WORK.done("train", run) for run in RUN_IDS],
+        all_evaluations(),

@@ -20,6 +20,7 @@ started before resumes and runs only the new points.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -89,7 +90,7 @@ class Study:
     results: Path
     models: dict[str, ModelSpec]
     runs: list[RunSpec]
-    data: dict[str, dict[str, Any]]       # name -> export spec, written to <results>/data/<name>.jsonl
+    data: dict[str, dict[str, Any]]       # name -> export spec, written to data_file(name)
     evaluate: dict[str, Any]
     tracking_uri: str | None
     resources: dict[str, dict[str, Any]]  # rule -> resources (defaults merged in)
@@ -112,7 +113,10 @@ class Study:
         return self.results / "models" / f"{model}.ready"
 
     def data_file(self, name: str) -> Path:
-        return self.results / "data" / f"{name}.jsonl"
+        """Where `prepare` writes a data set: named by its spec too (`<name>.<digest>.jsonl`), so that a changed
+        spec is a new file, prepared anew, and an evaluation of the old one records another source."""
+        spec = json.dumps(self.data[name], sort_keys=True, default=str)
+        return self.results / "data" / f"{name}.{hashlib.sha256(spec.encode()).hexdigest()[:8]}.jsonl"
 
     def eval_steps(self, run_id: str) -> list[int]:
         """The checkpoint steps to evaluate besides the final model (every N-th, when asked)."""
@@ -236,7 +240,8 @@ def load_study(data: dict[str, Any], schema_file: Path | None = None) -> Study:
     problem = schema_problem(data, schema_file, left_to=("grid.axes",))
     if problem is not None:
         raise StudyError(problem)
-    name, results = data["study"], data.get("results", default("results"))
+    name = data["study"]
+    results = data.get("results") or f"results/{name}"  # one directory per study (sweep.owner)
     models = _models(data)
     grid = mapping(data.get("grid"), "grid")
     shared = mapping(data.get("run"), "run")

@@ -39,7 +39,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Hashable
+from typing import Callable, Collection, Hashable
 
 from eval.harness import METRICS_FILE
 from sweep.grid import Study
@@ -119,11 +119,12 @@ def evaluations(study: Study) -> list[EvalTarget]:
             for step in [*study.eval_steps(run.run_id), None] for suite in study.evaluate["suites"]]
 
 
-def plan(study: Study, record: bool) -> Work:
+def plan(study: Study, record: bool, redo_runs: Collection[str] = (), redo_evaluations: Collection[str] = ()) -> Work:
     """The study's pending work and its jobs, for the main Snakemake process. `record`: write new bundles
     and forget those with nothing left to do (not in a dry run); else only recorded bundles are kept and
-    new ones are planned without a trace."""
-    runs, evals, train_group, eval_group = _pending(study)
+    new ones are planned without a trace. `redo_runs`, `redo_evaluations`: finished ones a dry run counts as
+    to do (a real run has moved them aside: sweep.rerun)."""
+    runs, evals, train_group, eval_group = _pending(study, set(redo_runs), set(redo_evaluations))
     _mirror(study, set(runs), {target.key for target in evals}, forget_pending=record)
     return Work(study.results / JOBS, runs, evals, _bundles(study, "train", runs, train_group, record),
                 _bundles(study, "evaluate", [t.key for t in evals], eval_group, record))
@@ -162,14 +163,20 @@ def forget(study: Study, run_id: str) -> None:
     done_file(root, "train", run_id).unlink(missing_ok=True)
     for target in evaluations(study):
         if target.run == run_id:
-            done_file(root, "evaluate", target.key).unlink(missing_ok=True)
+            forget_evaluation(study, target.key)
 
 
-def _pending(study: Study):
+def forget_evaluation(study: Study, key: str) -> None:
+    """Remove an evaluation's `.done` file (it is to be evaluated again)."""
+    done_file(study.results / JOBS, "evaluate", key).unlink(missing_ok=True)
+
+
+def _pending(study: Study, redo_runs: set[str], redo_evaluations: set[str]):
     """Pending runs and evaluations, in grid order, and what groups them into jobs (for runs: the model;
     for evaluations: the model and the suite)."""
-    runs = [run.run_id for run in study.runs if not run_finished(study, run.run_id)]
-    evals = [target for target in evaluations(study) if not evaluation_file(study, target).is_file()]
+    runs = [run.run_id for run in study.runs if run.run_id in redo_runs or not run_finished(study, run.run_id)]
+    evals = [target for target in evaluations(study) if target.run in redo_runs or target.key in redo_evaluations
+             or not evaluation_file(study, target).is_file()]
     model = {run.run_id: run.model for run in study.runs}
     by_key = {target.key: target for target in evals}
     return runs, evals, model.get, lambda key: (model[by_key[key].run], by_key[key].suite)

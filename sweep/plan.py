@@ -14,7 +14,7 @@ for the study, and whether a stopped job has the time to save its run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from snakemake_executor_plugin_submitit.resources import slurm_parameters
 from sweep import budget
@@ -41,12 +41,21 @@ def sbatch_options(resources: Mapping[str, Any], defaults: Mapping[str, str]) ->
     return " ".join(f"--{key.replace('_', '-')}={params[key]}" for key in ordered)
 
 
+def prepare_jobs(study: Study) -> int:
+    """The prepare jobs the DAG holds: a model (built, imported or fetched), an evaluation data set or the
+    audit whose output is not there yet."""
+    data = [name for name in study.data if name in study.evaluate["data"].values()]
+    outputs = [*map(study.model_ready, study.models), *map(study.data_file, data),
+               study.results / "audit" / "gradient_audit.csv"]
+    return sum(not path.exists() for path in outputs)
+
+
 def job_groups(study: Study, work: Work) -> list[tuple[str, int, dict[str, Any]]]:
     """(what, how many jobs, the resources of each), as the rules in workflow/rules make them: train and
     evaluate jobs for the pending work only (sweep.jobs), per model (models whose jobs get the same
     resources share a group)."""
-    data = [name for name in study.data if name in study.evaluate["data"].values()]
-    groups = [("prepare", len(study.models) + len(data) + 1, study.resources_for("prepare"))]
+    prepare = prepare_jobs(study)
+    groups = [("prepare", prepare, study.resources_for("prepare"))] if prepare else []
     model = {run.run_id: run.model for run in study.runs}
     evaluated = {target.key: target.run for target in work.evaluations}
     jobs_of = {"train": [bundle.pending[0] for bundle in work.train_bundles] if study.bundle["train"] > 1
@@ -82,8 +91,9 @@ def run_state(run_dir: Path) -> tuple[str, int | None]:
     return "fresh", None
 
 
-def plan(study: Study, work: Work, argv: list[str], environ: Mapping[str, str]) -> list[str]:
-    """The plan's lines."""
+def plan(study: Study, work: Work, argv: list[str], environ: Mapping[str, str],
+         discarded: Collection[str] = ()) -> list[str]:
+    """The plan's lines; `discarded`: runs a dry run of a rerun would move aside (they start fresh)."""
     settings = slurm_defaults(argv, environ)
     defaults = {name: value for name, (value, _) in settings.items()}
     said = [f"{name} {value} (from {source})" for name, (value, source) in settings.items()]
@@ -98,7 +108,8 @@ def plan(study: Study, work: Work, argv: list[str], environ: Mapping[str, str]) 
         shown = ", ".join(f"{key} {value}" for key, value in resources.items())
         lines += [f"    {what}: {jobs} job{'s' * (jobs != 1)}", f"      resources {shown}",
                   f"      sbatch {sbatch_options(resources, defaults)}"]
-    states = {run.run_id: run_state(study.results / "runs" / run.run_id) for run in study.runs}
+    states = {run.run_id: ("fresh", None) if run.run_id in discarded else run_state(study.results / "runs" / run.run_id)
+              for run in study.runs}
     counts = {state: sum(1 for s, _ in states.values() if s == state) for state in ("fresh", "resumes", "finished")}
     lines.append(f"  runs: {counts['fresh']} start fresh, {counts['resumes']} resume from a checkpoint, "
                  f"{counts['finished']} finished")

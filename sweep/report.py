@@ -16,12 +16,13 @@ columns (each extra axis of the study, and any axis asked for), so that its valu
 from __future__ import annotations
 
 import csv
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from sweep import axes
-from sweep.runs import load_runs
+from sweep.runs import RunRecord, load_runs
 from sweep.table import (
     COMPARED_LABEL,
     OBJECTIVE_COLUMNS,
@@ -160,12 +161,39 @@ def audit_tables(audit_csv: Path, out: Path) -> list[Path]:
     return paths
 
 
+def _made_by(scores: dict[str, Any]) -> str:
+    """An evaluation's recorded settings and data, but its seed (each run's own): one table pools only
+    evaluations that agree in these (eval.provenance; "" for one made before klstudy recorded it)."""
+    made = scores.get("provenance")
+    if not isinstance(made, dict):
+        return ""
+    return json.dumps({"settings": {k: v for k, v in (made.get("settings") or {}).items() if k != "seed"},
+                       "data": made.get("data")}, sort_keys=True, default=str)
+
+
+def check_one_way_made(records: list[RunRecord]) -> None:
+    """ValueError where one model's evaluations of one suite were made with different settings or data: their
+    rows and curves would pool them (the study stops before any job on such a change, sweep.changes; this
+    guards a results directory changed by hand)."""
+    seen: dict[tuple[str, str], tuple[str, Path]] = {}
+    for record in records:
+        for evaluation in record.evaluations():
+            made, where = _made_by(evaluation.scores), (record.coords["model"], evaluation.suite)
+            first = seen.setdefault(where, (made, evaluation.directory))
+            if first[0] != made:
+                raise ValueError(f"report: {where[0]}'s evaluations of {where[1]} were made otherwise in "
+                                 f"{first[1]} than in {evaluation.directory} (their settings or data differ, in "
+                                 "metrics.json's provenance), and a table would pool them: run the study, which says "
+                                 "what changed, and run them again with --config rerun=changed")
+
+
 def report(results: Path, study: str | None = None, uri: str | None = None, collapse_fraction: float = 0.5,
            columns: tuple[str, ...] = ()) -> dict[str, Any]:
     """Write results/tables and results/figures; log them to the study's parent run if `study`.
     `columns`: axes to put in the columns of a table of their own, besides the study's extra axes."""
     results = Path(results)
     records = load_runs(results)
+    check_one_way_made(records)
     tables, figures = results / "tables", results / "figures"
     groups, tasks = summarize(records, collapse_fraction)
     extra = extra_axes(groups)

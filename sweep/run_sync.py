@@ -324,7 +324,7 @@ def sync_run(store: Store, record: RunRecord, report: SyncReport, verify: bool, 
     from mlflow.entities import RunTag
 
     client = store.client
-    directory = sync_records.records_dir(record.path, store.key)
+    directory = sync_records.run_records(record.path.parent.parent, record.run_id, store.key)
     claim, run, created = _child(store, record, directory, verify, report, known)
     run_id, t0 = claim["run_id"], int(claim["start_time"])
     report.child_run_ids[record.run_id] = run_id

@@ -15,8 +15,8 @@ warnings and notes come back as lines to print.
   (trainer.srun): where the jobs run on this machine (Snakemake's local executor), nodes > 1 for
   training cannot work, and is an error before any job starts (`check_nodes`, from the Snakefile's
   onstart, where the executor is known), never a silent run on one node.
-- A run directory already there holds a run of its grid point's config (else the study says which
-  keys changed, and how to retrain it).
+- The runs and evaluations already there were made as the study says now (sweep.changes: else the study
+  says which outputs and keys changed, and the two ways on).
 - A job's device and its GPUs agree: cuda with no GPU fails on a cluster (an error: asking for
   the GPU costs nothing on this machine, where Snakemake does not count GPUs); GPUs on cpu jobs, or
   more than the one an evaluation uses, sit idle (a warning).
@@ -27,14 +27,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sweep import fetch
+from sweep import changes, fetch
+from sweep.changes import Survey
 from sweep.checks import StudyError
 from sweep.grid import Study, load_study
 from sweep.hub_needs import cached, needs
-from sweep.runs import read_config
-from trainer.config import as_saved, differences, from_dict
+from sweep.rerun import Discarded
 from trainer.model import model_source
-from trainer.run_files import CONFIG
 
 WARNING, NOTE = "warning: study config: ", "note: study config: "
 
@@ -44,12 +43,18 @@ def check_study(config: dict[str, Any], schema_file: Path | None = None) -> Stud
     return load_study(config, schema_file)
 
 
-def preflight(study: Study, rerun: set[str] = frozenset(), configfiles=None) -> list[str]:
+def preflight(study: Study, survey: Survey | None = None, discarded: Discarded | None = None,
+              configfiles=None) -> list[str]:
     """The checks that need this machine (paths, the Hugging Face cache, the results so far) or a
     cluster's view (devices against GPUs): StudyError for what would fail, warning and note lines for
-    the rest. `rerun`: points about to be run again from scratch (their directories do not count);
-    `configfiles`: the study's, for the fetch command in messages."""
-    _check_run_directories(study, rerun)
+    the rest. `survey`: the results against the study (sweep.changes; read here if not given);
+    `discarded`: what is about to be run again from scratch (sweep.rerun: it does not count);
+    `configfiles`: the study's, for the commands in messages."""
+    discarded = discarded or Discarded()
+    survey = (survey or changes.survey(study)).without(discarded.runs, discarded.all_evaluations)
+    error = survey.error(study, configfiles)
+    if error is not None:
+        raise error
     _check_model_paths(study)
     return [*_hub_notes(study, configfiles), *_device_warnings(study)]
 
@@ -69,25 +74,6 @@ def check_nodes(study: Study, config: dict[str, Any], jobs_run_here: bool) -> No
                              "training on several nodes starts its processes with srun in a SLURM job: run with "
                              f"--profile profiles/slurm, or set {key}: 1 (and gpus, or tasks on cpu, for more "
                              "processes on this machine)")
-
-
-def _check_run_directories(study: Study, rerun: set[str]) -> None:
-    """A run directory that holds a run of another config than its grid point's now (the study config
-    changed under it): the study would never train it again (finished) or the trainer would refuse it
-    (started), so stop here and say how to go on."""
-    changed = []
-    for run in study.runs:
-        saved = study.results / "runs" / run.run_id / CONFIG
-        if saved.is_file() and run.run_id not in rerun:
-            keys = differences(from_dict(run.config).to_dict(), as_saved(read_config(saved)))
-            if keys:
-                changed.append((run.run_id, keys))
-    if changed:
-        (first, keys), more = changed[0], len(changed) - 1
-        raise StudyError(f"results: {study.results / 'runs' / first} was trained with another config than the study "
-                         f"gives it now ({', '.join(keys)}){f', and {more} more run(s)' if more else ''}: restore the "
-                         f"study config, or retrain with --config rerun={first}"
-                         f"{',...' if more else ''} (the old outputs are moved to {study.results / 'discarded'}/)")
 
 
 def _check_model_paths(study: Study) -> None:

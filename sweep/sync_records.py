@@ -1,8 +1,10 @@
 """What has been synced into MLflow, kept beside each run: a sync reads these local files and asks
 the server nothing when they agree with the run directory.
 
-Everything lives under `<dir>/.mlflow/<store>/`, where `<dir>` is a run directory (or, for the study,
-`<results>/tracking`) and `<store>` names the tracking store and study (`store_key`). Two kinds of file:
+Everything lives under `<dir>/.mlflow/<store>/`, where `<dir>` is `<results>/tracking/runs/<run id>` for a
+run (`run_records`: never in the run directory, which nothing writes into once it is finished) or
+`<results>/tracking` for the study, and `<store>` names the tracking store and study (`store_key`). Two
+kinds of file:
 
 - **Claims**, `<name>.<generation>.json`: which MLflow run is the run's child (or the study's parent
   run). A claim is published once, by whoever links it into place first: a hard link is atomic and
@@ -22,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,26 @@ def store_key(uri: str, study: str) -> str:
 
 def records_dir(base: Path, key: str) -> Path:
     return Path(base) / HIDDEN / key
+
+
+def run_base(results: Path, run_id: str) -> Path:
+    """Where a run's sync records live: under the study's tracking directory, not in the run's own."""
+    return Path(results) / "tracking" / "runs" / run_id
+
+
+def run_records(results: Path, run_id: str, key: str) -> Path:
+    """A run's sync records for one store. Records that an older klstudy kept in the run directory itself
+    (`<run>/.mlflow/<store>`) are copied here the first time, so that its MLflow child run is kept."""
+    directory = records_dir(run_base(results, run_id), key)
+    legacy = records_dir(Path(results) / "runs" / run_id, key)
+    if not directory.is_dir() and legacy.is_dir():
+        tmp = directory.with_name(f".{key}.{uuid.uuid4().hex}")
+        shutil.copytree(legacy, tmp)
+        try:
+            tmp.rename(directory)
+        except OSError:  # another process copied them first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return directory
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -82,9 +105,16 @@ def read_state(directory: Path) -> dict[str, Any]:
 
 
 def write_state(directory: Path, state: dict[str, Any]) -> None:
+    """Replace the state, unless it holds this already (a sync with nothing new writes nothing)."""
+    text = json.dumps(state, sort_keys=True) + "\n"
+    try:
+        if (directory / "state.json").read_text() == text:
+            return
+    except OSError:
+        pass
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".state.{uuid.uuid4().hex}"
-    tmp.write_text(json.dumps(state, sort_keys=True) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, directory / "state.json")
 
 
@@ -99,12 +129,14 @@ def lines_digest(path: Path, count: int) -> str:
     return hashlib.sha256(b"\n".join(data.split(b"\n")[:count])).hexdigest()[:32]
 
 
-def claimed_children(run_dir: Path) -> dict[str, list[str]]:
-    """store key -> the MLflow child runs a run directory's claims name (every generation)."""
+def claimed_children(results: Path, run_id: str) -> dict[str, list[str]]:
+    """store key -> the MLflow child runs a run's claims name (every generation)."""
     found: dict[str, list[str]] = {}
-    for claim in sorted(Path(run_dir).glob(f"{HIDDEN}/*/child.*.json")):
+    claims = [*Path(run_base(results, run_id)).glob(f"{HIDDEN}/*/child.*.json"),
+              *(Path(results) / "runs" / run_id).glob(f"{HIDDEN}/*/child.*.json")]  # an older klstudy's
+    for claim in sorted(claims):
         content = _read(claim)
-        if content and content.get("run_id"):
+        if content and content.get("run_id") and content["run_id"] not in found.get(claim.parent.name, []):
             found.setdefault(claim.parent.name, []).append(content["run_id"])
     return found
 

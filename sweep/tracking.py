@@ -198,8 +198,8 @@ def sync(results: Path, study: str, uri: str | None = None, runs: list[Path] | N
     store = open_store(results, study, uri, verify)
     report.parent_run_id, report.runs_page = store.parent_id, runs_page(uri, store.experiment_id)
     records = load_runs(results) if everything else load_runs(results, only=runs)
-    if not everything and any(not sync_records.read_state(sync_records.records_dir(r.path, store.key)).get("tags")
-                              for r in records):
+    if not everything and any(not sync_records.read_state(sync_records.run_records(results, r.run_id, store.key))
+                              .get("tags") for r in records):
         axes = study_axes(results)  # a new child's tags: the extra axes of the runs there so far
         for record in records:
             record.extra_axes = axes

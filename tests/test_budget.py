@@ -95,9 +95,9 @@ def test_the_checkpoint_check_says_whether_the_signal_delay_is_enough(tmp_path):
     # 750,000 x 3 x float32 = 9 MB, at 0.1 MB/s: 90 s, after a 50 s step: 140 s, more than 120 - 20
     short = budget.checkpoint_lines(study, steps_left, (120, "--submitit-signal-delay"))
     assert short[1] == ("    Qwen2.5-7B: 750,000 parameters x 3 (weights, AdamW's moments) x float32 = 9.0 MB, "
-                        "written in 90 s after a step of 50 s: NOT enough: set the executor's signal delay to at least 160 s "
-                        "(`submitit-signal-delay` in the profile), or the job is killed mid-write and resumes from "
-                        "its previous checkpoint")
+                        "written in 90 s after a step of 50 s: NOT enough: set the executor's signal delay to at least "
+                        "160 s (`submitit-signal-delay` in the profile), or the job is killed mid-write and resumes "
+                        "from its previous checkpoint")
     assert budget.checkpoint_lines(study, steps_left, (160, "x"))[1].endswith(": enough")
     bf16 = paper_study(tmp_path, models={"Qwen2.5-7B": {"path": str(weights)}}, budget={"step_seconds": 50},
                        run={"model": {"dtype": "bfloat16"}, "task": {"name": "math"}})
@@ -135,7 +135,8 @@ def test_a_reference_that_moves_is_a_fourth_copy_for_the_runs_that_save_it(tmp_p
     assert reset in study.by_id and len(study.runs) == 7
     assert lines[1:] == [
         "    Qwen2.5-7B (6 of its runs, such as Qwen2.5-7B__k1-reward-centred__b0.005__preset-paper-k1-reward__s0): "
-        "750,000 parameters x 3 (weights, AdamW's moments) x float32 = 9.0 MB, written in 90 s after a step of 50 s: enough",
+        "750,000 parameters x 3 (weights, AdamW's moments) x float32 = 9.0 MB, written in 90 s after a step of 50 s: "
+        "enough",
         f"    Qwen2.5-7B (1 of its runs, such as {reset}): 750,000 parameters x 4 (weights, AdamW's moments, the "
         "reference) x float32 = 12.0 MB, written in 120 s after a step of 50 s: enough"]
 
@@ -149,7 +150,8 @@ def test_the_copies_priced_are_what_the_train_state_saves(tmp_path, toy_model, m
     from trainer.checkpoint_copies import weight_copies
     from trainer.config import from_dict
 
-    extra = {"train.steps": 2, "checkpoint.every": 2, **({"objective.ref_refresh_every": 1} if moving_reference else {})}
+    moving = {"objective.ref_refresh_every": 1} if moving_reference else {}
+    extra = {"train.steps": 2, "checkpoint.every": 2, **moving}
     done = trainer_in_process("train", "--out", str(tmp_path / "run"), *overrides(toy_model, **extra))
     assert done.returncode == 0, done.stderr[-3000:]
     written = tmp_path / "run" / "checkpoints" / "step_2"

@@ -23,8 +23,9 @@ import yaml
 from test_slurm import SLURM, squeue
 from test_workflow import LOCAL, SNAKEMAKE, from_prepared, write_config
 
-from sweep import jobs, rerun, status
+from sweep import changes, jobs, rerun, status
 from sweep.checks import StudyError
+from sweep.evaluations import Expected
 from sweep.grid import load_study
 from sweep.study_check import preflight
 from trainer.run_files import COMPLETE, read_metrics
@@ -51,15 +52,19 @@ def study_of(config: dict, results: Path):
 # --- synthetic run directories (no model, no Snakemake) ------------------------------------------
 
 
-def finish(results: Path, run: str, evals: tuple[str, ...] = ("toy", "step_6/toy")) -> None:
-    """A run directory as the trainer leaves a finished run, and its evaluations."""
+def finish(results: Path, run: str, evals: tuple[str, ...] = ("toy", "step_6/toy"), config: dict = HEALING) -> None:
+    """A run directory as the trainer leaves a finished run, and its evaluations as the study's jobs would
+    record them (eval.provenance, as the study of `config` gives them)."""
     directory = results / "runs" / run
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(STEPS)))
-    (directory / COMPLETE).write_text(json.dumps({"steps": STEPS}) + "\n")
+    (directory / COMPLETE).write_text(json.dumps({"steps": STEPS, "finished": time.time()}) + "\n")
+    expected = Expected(study_of(config, results))
     for where in evals:
+        step, _, suite = where.rpartition("/")
+        target = jobs.EvalTarget(run, int(step[5:]) if step else None, suite)
         (results / "eval" / run / where).mkdir(parents=True, exist_ok=True)
-        (results / "eval" / run / where / "metrics.json").write_text("{}\n")
+        (results / "eval" / run / where / "metrics.json").write_text(json.dumps({"provenance": expected(target)}))
 
 
 def test_only_pending_work_is_planned_and_a_bundle_keeps_its_name_while_it_has_work(tmp_path):
@@ -117,8 +122,8 @@ def test_rerun_moves_the_chosen_points_aside_and_refuses_what_it_cannot_do(tmp_p
     study = study_of(HEALING, tmp_path)
     for run in RUNS[:3]:
         finish(tmp_path, run)
-    with pytest.raises(StudyError, match=r"toy-sft__k1-reward__b0\.2__s0 is not a grid point.*did you mean "
-                                         r"toy-sft__k1-reward__b0\.1__s0.*nothing was discarded"):
+    with pytest.raises(StudyError, match=r"toy-sft__k1-reward__b0\.2__s0 is neither a grid point nor an evaluation.*"
+                                         r"did you mean toy-sft__k1-reward__b0\.1__s0.*nothing was discarded"):
         rerun.discard(study, f"{RUNS[1]},toy-sft__k1-reward__b0.2__s0")
     assert (tmp_path / "runs" / RUNS[1] / COMPLETE).is_file()  # nothing moved
 
@@ -129,18 +134,33 @@ def test_rerun_moves_the_chosen_points_aside_and_refuses_what_it_cannot_do(tmp_p
         rerun.discard(study, [RUNS[0], RUNS[3]])
     assert (tmp_path / "runs" / RUNS[0] / COMPLETE).is_file()
 
-    child = tmp_path / "runs" / RUNS[0] / ".mlflow" / "store1"
+    child = tmp_path / "runs" / RUNS[0] / ".mlflow" / "store1"  # where an older klstudy kept its sync records
     child.mkdir(parents=True)
     (child / "child.0.json").write_text(json.dumps({"run_id": "old-child"}))
-    assert rerun.discard(study, RUNS[0], dry_run=True) == [RUNS[0]] and (tmp_path / "runs" / RUNS[0]).is_dir()
-    assert rerun.discard(study, RUNS[0]) == [RUNS[0]]
+    would = rerun.discard(study, RUNS[0], dry_run=True)
+    assert (would.runs, would.evaluations) == ([RUNS[0]], []) and (tmp_path / "runs" / RUNS[0]).is_dir()
+    assert rerun.discard(study, RUNS[0]).runs == [RUNS[0]]
     [moved] = (tmp_path / "discarded").iterdir()
     assert (moved / "runs" / RUNS[0] / COMPLETE).is_file() and (moved / "eval" / RUNS[0] / "toy").is_dir()
     assert not (tmp_path / "eval" / RUNS[0]).exists()
-    assert json.loads((child / "retired.json").read_text()) == ["old-child"]  # the next sync deletes it
+    retired = tmp_path / "tracking" / "runs" / RUNS[0] / ".mlflow" / "store1" / "retired.json"
+    assert json.loads(retired.read_text()) == ["old-child"]  # the next sync deletes it
+    assert not (tmp_path / "runs" / RUNS[0]).exists()  # nothing was written where the run was
     assert not jobs.plan(study, record=False).done("train", RUNS[0]).exists()
     assert jobs.plan(study, record=False).runs == [RUNS[0], RUNS[3]]
-    assert rerun.chosen(study, "failed") == []
+    assert rerun.chosen(study, "failed") == ([], [])
+
+    # an evaluation by its key: only it moves, and its run stays finished
+    one = f"{RUNS[1]}/step_6/toy"
+    assert rerun.chosen(study, f"{one},{RUNS[2]}/toy,{RUNS[2]}") == ([RUNS[2]], [one])  # the point holds its own
+    assert one not in {target.key for target in jobs.plan(study, record=False).evaluations}
+    assert one in {target.key for target in jobs.plan(study, record=False, redo_evaluations={one}).evaluations}
+    time.sleep(1)  # another second: another bin
+    assert rerun.discard(study, one).evaluations == [one]
+    assert not (tmp_path / "eval" / one).exists() and (tmp_path / "eval" / RUNS[1] / "toy" / "metrics.json").is_file()
+    assert [moved.name for moved in (tmp_path / "discarded").glob(f"*/eval/{one}")]
+    assert (tmp_path / "runs" / RUNS[1] / COMPLETE).is_file() and RUNS[1] not in jobs.plan(study, record=False).runs
+    assert one in {target.key for target in jobs.plan(study, record=False).evaluations}
 
 
 def test_status_reads_every_point_from_its_run_directory(tmp_path):
@@ -164,7 +184,7 @@ def test_status_reads_every_point_from_its_run_directory(tmp_path):
     assert points[1].detail["log"] == str(failed / "train.log")
     assert points[2].detail["slurm_job"] == "812_3" and points[2].step == 1
     lines = status.report(study, points, ("failed", "running"))
-    assert lines[0] == f"study toy-heal ({tmp_path}/): 4 points: 1 done, 1 failed, 1 running, 1 pending"
+    assert lines[0] == f"study toy-heal ({tmp_path}/): 4 points: 0 changed, 1 done, 1 failed, 1 running, 1 pending"
     assert len(lines) == 4 and "SLURM job 812_3" in lines[2] and "--config rerun=failed" in lines[3]
     (running / "lease.3.json").write_text(json.dumps({"host": "gpu-node-7", "heartbeat": time.time() - 3600}))
     assert status.study_status(study)[2].state == "pending"  # its holder stopped beating an hour ago
@@ -175,16 +195,50 @@ def test_status_reads_every_point_from_its_run_directory(tmp_path):
     assert [p["state"] for p in json.loads(cli.stdout)] == ["done", "failed", "pending", "pending"]
 
 
-def test_a_run_directory_trained_with_another_config_stops_the_study_with_the_fix(tmp_path):
+def test_outputs_made_otherwise_stop_the_study_with_the_keys_and_the_two_ways_on(tmp_path):
+    """A run trained with another config, evaluations made with other settings or another data file's content:
+    one error naming the outputs and the keys; status says `changed`; rerun=changed names exactly those; an
+    evaluation whose run is gone is stale (redone with it, no stop)."""
     study = study_of(HEALING, tmp_path)
-    finish(tmp_path, RUNS[0])
+    for run in RUNS[:3]:
+        finish(tmp_path, run)
+    assert changes.survey(study) == changes.Survey() and preflight(study) is not None
     saved = dict(study.run(RUNS[0]).config, train={**study.run(RUNS[0]).config["train"], "steps": 4})
     (tmp_path / "runs" / RUNS[0] / "config.yaml").write_text(yaml.safe_dump(saved))
-    with pytest.raises(StudyError, match=rf"runs/{RUNS[0]} was trained with another config than the study gives it "
-                                         rf"now \(train.steps\): restore the study config, or retrain with "
-                                         rf"--config rerun={re.escape(RUNS[0])}"):
+    with pytest.raises(StudyError, match=rf"^results: 1 run was made otherwise than the study says now "
+                                         rf"\(train.steps: 4 there, 12 now; in {tmp_path}/runs/{RUNS[0]}\): restore "
+                                         r"the study config, or run them again from scratch with --config "
+                                         r"rerun=changed"):
         preflight(study)
-    assert preflight(study, rerun={RUNS[0]}) is not None
+    assert preflight(study, discarded=rerun.Discarded(runs=[RUNS[0]])) is not None
+
+    more = study_of({**HEALING, "evaluate": {**HEALING["evaluate"], "samples": 3}}, tmp_path)
+    with pytest.raises(StudyError, match=r"1 run was made .* and 4 evaluations were made otherwise than the study "
+                                         r"says now \(evaluate.samples: 2 there, 3 now; in .*/eval/"
+                                         rf"{RUNS[1]}/step_6/toy and 3 more\)"):
+        preflight(more)
+    survey = changes.survey(more)
+    assert [c.output for c in survey.runs] == [RUNS[0]]  # its evaluations go with it, not listed apart
+    assert survey.changed == [RUNS[0], *(f"{run}/{where}" for run in RUNS[1:3] for where in ("step_6/toy", "toy"))]
+    assert rerun.chosen(more, "changed") == (survey.changed[:1], survey.changed[1:])
+    points = status.study_status(more)
+    assert [p.state for p in points] == ["changed", "changed", "changed", "pending"]
+    assert points[1].detail["keys"] == {"evaluate.samples": (2, 3)}
+    assert "rerun=changed" in status.report(more, points)[-1]
+
+    data = tmp_path / "data" / f"{study.data_file('heldout').name}"  # the prepared file, edited by hand
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    for run in RUNS[1:3]:
+        finish(tmp_path, run)  # evaluated from this content
+    data.write_text('{"question": "1+2", "answer": "3"}\n')
+    keys = changes.survey(study).evaluations[0].keys
+    assert list(keys) == ["evaluate.data.arith"] and keys["evaluate.data.arith"][0].startswith("content ")
+
+    shutil.rmtree(tmp_path / "runs" / RUNS[2])  # deleted by hand: its evaluations scored a model that is gone
+    survey = changes.survey(study)
+    assert survey.stale == [f"{RUNS[2]}/step_6/toy", f"{RUNS[2]}/toy"]
+    assert f"{RUNS[2]}/toy" not in survey.changed
 
 
 # --- the study itself, killed, grown and repaired ------------------------------------------------
@@ -209,9 +263,14 @@ def changed(results: Path, kept: dict[str, tuple[str, int]]) -> list[str]:
     return [path for path, seen in kept.items() if now.get(path) != seen]
 
 
-def start(directory: Path, config: Path, profile: list[str], log: str, *extra: str) -> subprocess.Popen:
+def configfiles(config: Path | list[Path]) -> list[str]:
+    """`--configfile` and the study's files: one, or a study and the override files merged over it."""
+    return ["--configfile", *map(str, [config] if isinstance(config, Path) else config)]
+
+
+def start(directory: Path, config: Path | list[Path], profile: list[str], log: str, *extra: str) -> subprocess.Popen:
     handle = (directory / log).open("w")
-    return subprocess.Popen([*SNAKEMAKE, *profile, "--directory", str(directory), "--configfile", str(config), *extra],
+    return subprocess.Popen([*SNAKEMAKE, *profile, "--directory", str(directory), *configfiles(config), *extra],
                             stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -253,8 +312,9 @@ def kill_when(process: subprocess.Popen, ready, progress, log: Path, pause: Slur
         pause.hold()
 
 
-def finish_study(directory: Path, config: Path, profile: list[str], *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*SNAKEMAKE, *profile, "--directory", str(directory), "--configfile", str(config), *extra],
+def finish_study(directory: Path, config: Path | list[Path], profile: list[str],
+                 *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*SNAKEMAKE, *profile, "--directory", str(directory), *configfiles(config), *extra],
                           capture_output=True, text=True, timeout=1200)
 
 
@@ -377,3 +437,75 @@ def test_the_study_killed_three_times_grown_and_repaired_locally(tmp_path, unint
 def test_the_study_killed_three_times_grown_and_repaired_on_slurm(slurm, tmp_path, uninterrupted,
                                                                   prepared_toy_study):
     grow_and_heal(tmp_path, SLURM, uninterrupted, prepared_toy_study)
+
+
+# The quick toy study with runs of eight steps of 16 prompts x 4, a checkpoint every two: long enough to be killed
+# mid-way, short enough to be trained again whole.
+SHORT = {**QUICK, "study": "toy-grown", "results": "results", "run": {**QUICK["run"], "train": {
+    **QUICK["run"]["train"], "steps": 8, "prompts_per_step": 16}, "checkpoint": {"every": 2}},
+    "evaluate": {**QUICK["evaluate"], "every": 4}}
+
+
+def test_a_study_grown_by_an_override_file_killed_goes_on_and_reruns_exactly_what_changed(tmp_path,
+                                                                                          prepared_toy_study):
+    """Grown by a beta through an override file (`--configfile study.yaml grown.yaml`) and SIGKILLed mid-way, the
+    study goes on with the same command; `-n` and `--unlock` work on the killed study (its dead Snakemake's lock is
+    released with both files); after a change to train.steps, `rerun=changed` trains exactly the changed points
+    again, and nothing else."""
+    base = write_config(tmp_path, SHORT)
+    from_prepared(tmp_path, prepared_toy_study)
+    first = finish_study(tmp_path, base, LOCAL)
+    assert first.returncode == 0, first.stderr[-4000:]
+    grown = tmp_path / "grown.yaml"
+    grown.write_text(yaml.safe_dump({"grid": {"betas": [0.1, 0.2]}}))
+    study, results = [base, grown], tmp_path / "results"
+    new = [run.replace("b0.1", "b0.2") for run in RUNS[:3]]  # the no-KL baseline has no beta
+
+    def mid_way(before):  # a new point has a checkpoint, and not every new point is finished
+        return (any((results / "runs" / run / "checkpoints").is_dir() for run in new)
+                and not all((results / "runs" / run / COMPLETE).exists() for run in new))
+
+    kill_when(start(tmp_path, study, LOCAL, "killed.log"), mid_way, lambda: 0, tmp_path / "killed.log", None)
+    left = tmp_path / ".snakemake" / "klstudy-lock-holder.json"
+    assert left.is_file()  # its holder is dead, its lock is still there
+    killed_state = tmp_path / "killed-state"
+    shutil.copytree(tmp_path / ".snakemake", killed_state, ignore=shutil.ignore_patterns("conda*", "log"))
+
+    dry = finish_study(tmp_path, study, LOCAL, "-n")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "is no longer running and did not clean up: its lock, if any, is released" in dry.stderr
+    assert re.search(r"runs: \d start fresh, \d resume from a checkpoint, \d finished", dry.stdout)
+    shutil.rmtree(tmp_path / ".snakemake" / "locks", ignore_errors=True)
+    shutil.copytree(killed_state, tmp_path / ".snakemake", dirs_exist_ok=True)  # as the kill left it, again
+    unlocked = finish_study(tmp_path, study, LOCAL, "--unlock")
+    assert unlocked.returncode == 0, unlocked.stderr[-3000:]
+    assert not left.exists()
+
+    went_on = finish_study(tmp_path, study, LOCAL)
+    assert went_on.returncode == 0, went_on.stderr[-4000:]
+    for run in RUNS + new:
+        assert [m["step"] for m in read_metrics(results / "runs" / run / "metrics.jsonl")] == list(range(8)), run
+    assert "Nothing to be done" in finish_study(tmp_path, study, LOCAL, "-n").stdout
+
+    shorter = tmp_path / "shorter.yaml"
+    shorter.write_text(yaml.safe_dump({"grid": {"betas": [0.1, 0.2]}, "run": {"train": {"steps": 6}}}))
+    stopped = finish_study(tmp_path, [base, shorter], LOCAL, "-n")
+    said = stopped.stdout + stopped.stderr  # a dry run's error goes to stdout
+    assert stopped.returncode != 0 and "7 runs were made otherwise than the study says now (train.steps: 8 there, " \
+        "6 now;" in said and "--config rerun=changed" in said
+    kept = snapshot(results)
+    model = (results / "models" / "toy-sft.ready").stat().st_mtime_ns
+    rerun_ = finish_study(tmp_path, [base, shorter], LOCAL, "--config", "rerun=changed")
+    assert rerun_.returncode == 0, rerun_.stderr[-4000:]
+    said = re.search(r"klstudy rerun: 7 point\(s\) and 0 evaluation\(s\) discarded, to run again from scratch: (.*)",
+                     rerun_.stderr)
+    assert said and sorted(said.group(1).split(", ")) == sorted(RUNS + new)
+    trained = re.findall(r"--run \S+ (\S+/runs/\S+)", rerun_.stdout + rerun_.stderr)
+    assert sorted(Path(path).name for path in trained) == sorted(RUNS + new)  # each once
+    for run in RUNS + new:
+        assert [m["step"] for m in read_metrics(results / "runs" / run / "metrics.jsonl")] == list(range(6)), run
+    assert (results / "models" / "toy-sft.ready").stat().st_mtime_ns == model  # the reference model untouched
+    assert set(changed(results, kept)) == set(kept)  # every run and evaluation made anew
+    [moved] = (results / "discarded").iterdir()
+    assert sorted(path.name for path in (moved / "runs").iterdir()) == sorted(RUNS + new)
+    assert "Nothing to be done" in finish_study(tmp_path, [base, shorter], LOCAL, "-n").stdout

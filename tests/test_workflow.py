@@ -19,6 +19,7 @@ import pytest
 import yaml
 from run_helpers import default_sigint
 
+from sweep.grid import load_study
 from trainer.run_files import COMPLETE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,7 +64,8 @@ def snakemake(directory: Path, config: Path, *args: str, timeout: float = 600) -
 
 
 # The outputs of a study's prepare jobs (build_model, prepare_data, audit) for REDUCED and its variants.
-PREPARED = ["results/models/toy-sft.ready", "results/data/heldout.jsonl", "results/audit/gradient_audit.csv"]
+PREPARED = ["results/models/toy-sft.ready", f"results/data/{load_study(REDUCED).data_file('heldout').name}",
+            "results/audit/gradient_audit.csv"]
 
 
 def prepare(directory: Path, config: dict, profile: list[str] = LOCAL) -> Path:
@@ -82,7 +84,8 @@ def from_prepared(directory: Path, prepared: Path) -> None:
     still runs every other job of its own."""
     mine, theirs = (yaml.safe_load((d / "study.yaml").read_text()) for d in (directory, prepared))
     assert {k: mine[k] for k in ("models", "data")} == {k: theirs[k] for k in ("models", "data")}
-    shutil.copytree(prepared / "results", directory / "results", ignore=shutil.ignore_patterns("configs"))
+    # not its config files, nor its claim on the directory (sweep.owner: the study here has a name of its own)
+    shutil.copytree(prepared / "results", directory / "results", ignore=shutil.ignore_patterns("configs", "study.json"))
     shutil.copytree(prepared / ".snakemake" / "metadata", directory / ".snakemake" / "metadata")
 
 

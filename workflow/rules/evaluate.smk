@@ -1,34 +1,18 @@
 # evaluate: every final model on every suite of the study (and, with evaluate.every = N, every
 # N-th checkpoint too), through lm-eval with the same verifier as the training rewards. One job per
 # pending evaluation, or `bundle.evaluate` pending evaluations of one model and suite per job (one
-# `python -m eval run` process with a --model/--out/--seed per evaluation). A finished evaluation (its
-# metrics.json, written last) is in no job; Snakemake sees each evaluation through its `.done` file
-# (sweep.jobs), which the job writes when it succeeds.
+# `python -m eval run` process with a --model/--out/--seed/--model-record per evaluation: sweep.evaluations).
+# A finished evaluation (its metrics.json, written last) is in no job; Snakemake sees each evaluation through
+# its `.done` file (sweep.jobs), which the job writes when it succeeds.
 
 
-def _eval_args(run):
-    """The `python -m eval run` options of a run's evaluations (final model and checkpoints alike),
-    except --seed (the run's own)."""
-    spec, model = STUDY.evaluate, run.config.get("model", {})
-    args = [f"--samples={spec['samples']}", f"--batch-size={spec['batch_size']}",
-            f"--temperature={spec['temperature']}", f"--top-p={spec['top_p']}", f"--backend={spec['backend']}",
-            f"--dtype={model.get('dtype', 'float32')}", f"--device={model.get('device', 'cpu')}"]
-    args += [f"--{name.replace('_', '-')}={spec[name]}" for name in ("limit", "max_gen_toks") if spec[name] is not None]
-    args += [f"--data={task}={source}" for task, source in STUDY.eval_data().items()]
-    return args + (["--chat-template"] if model.get("chat_template") else [])
+from sweep import evaluations
 
-
-EVAL_ARGS = {run.run_id: _eval_args(run) for run in STUDY.runs}
+EVAL_ARGS = {run.run_id: evaluations.shared_arguments(STUDY, run.run_id) for run in STUDY.runs}
 EVAL_DATA = [STUDY.data_file(name) for name in STUDY.data if name in STUDY.evaluate["data"].values()]
 # The evaluations a job may be for: the pending ones in the main process, every one in a job's own
 # (a requeued job may find its evaluation finished: sweep.jobs).
 JOB_EVALS = {target.key: target for target in WORK.evaluations}
-
-
-def evaluated_model(target):
-    """The model an evaluation reads: the run's final/ or its checkpoint's model/."""
-    run = RESULTS / "runs" / target.run
-    return run / ("final" if target.step is None else f"checkpoints/step_{target.step}/model")
 
 
 def run_of_evaluation(wildcards):
@@ -52,19 +36,16 @@ if STUDY.bundle["evaluate"] == 1:
         wildcard_constraints:
             evaluation=jobs.only(list(JOB_EVALS)),  # the main process submits no finished evaluation
         params:
-            model=lambda wc: evaluated_model(JOB_EVALS[wc.evaluation]),
-            out=f"{RESULTS}/eval/{{evaluation}}",  # a string: Snakemake fills wildcards into strings only
             suite=lambda wc: JOB_EVALS[wc.evaluation].suite,
             args=lambda wc: EVAL_ARGS[JOB_EVALS[wc.evaluation].run]
-            + [f"--seed={STUDY.run(JOB_EVALS[wc.evaluation].run).seed}"],
+            + evaluations.own_arguments(STUDY, JOB_EVALS[wc.evaluation]),
         log:
             LOGS / "evaluate" / "{evaluation}.log",
         threads: rule_threads("evaluate", per_model=True, run_of=run_of_evaluation)
         resources:
             **rule_resources("evaluate", per_model=True, run_of=run_of_evaluation),
         shell:
-            "{PY} -m eval run --model {params.model} --suite {params.suite} --out {params.out} {params.args:q}"
-            " > {log} 2>&1 && touch {output}"
+            "{PY} -m eval run --suite {params.suite} {params.args:q} > {log} 2>&1 && touch {output}"
 
 else:
     for bundle in WORK.evaluate_bundles:  # pending evaluations only, in recorded bundles (sweep.jobs)
@@ -80,9 +61,7 @@ else:
             output:
                 [WORK.done("evaluate", target.key) for target in members],
             params:
-                each=[f"--{flag}={value}" for target in members for flag, value in (
-                    ("model", evaluated_model(target)), ("out", RESULTS / "eval" / target.key),
-                    ("seed", STUDY.run(target.run).seed))],
+                each=[arg for target in members for arg in evaluations.own_arguments(STUDY, target)],
                 args=EVAL_ARGS[first.run_id],
                 suite=members[0].suite,
             log:

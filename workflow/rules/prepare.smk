@@ -74,17 +74,23 @@ rule fetch_model:
         "{PY} -m trainer fetch-model --model {params.path:q} --ready {output.ready} > {log} 2>&1"
 
 
+DATA_FILES = {STUDY.data_file(name).stem: name for name in STUDY.data}  # <name>.<digest of its spec> -> name
+
+
 rule prepare_data:
-    """Evaluation problems of a task, written in the record format of its evaluation task."""
+    """Evaluation problems of a task, written in the record format of its evaluation task (the file is named by
+    its spec too: STUDY.data_file)."""
     output:
-        RESULTS / "data" / "{name}.jsonl",
+        RESULTS / "data" / "{file}.jsonl",
+    wildcard_constraints:
+        file="|".join(re.escape(stem) for stem in DATA_FILES) or "(?!)",
     params:
-        task=lambda wc: STUDY.data[wc.name]["task"],
-        n=lambda wc: STUDY.data[wc.name]["n"],
-        start=lambda wc: STUDY.data[wc.name]["start"],
-        options=lambda wc: [f"--option={o}" for o in _options(STUDY.data[wc.name]["options"])],
+        task=lambda wc: STUDY.data[DATA_FILES[wc.file]]["task"],
+        n=lambda wc: STUDY.data[DATA_FILES[wc.file]]["n"],
+        start=lambda wc: STUDY.data[DATA_FILES[wc.file]]["start"],
+        options=lambda wc: [f"--option={o}" for o in _options(STUDY.data[DATA_FILES[wc.file]]["options"])],
     log:
-        LOGS / "prepare" / "data-{name}.log",
+        LOGS / "prepare" / "data-{file}.log",
     threads: rule_threads("prepare")
     resources:
         **rule_resources("prepare"),
