@@ -246,7 +246,8 @@ def _row(case: Case, results: list[dict[str, object]]) -> PartRow:
 
 def additions_markdown(rows: list[PartRow], setup: dict[str, object]) -> str:
     lines = [
-        f"The peers' settings, exactly: vocabulary {setup['vocab']}, length {setup['length']}, group size "
+        f"The peers' settings, exactly: vocabulary {setup['vocab']}, length {setup['length']} (after a prompt of "
+        f"{setup['prompt_length']} tokens, which only seq-mean-token-sum-seq-len reads), group size "
         f"{setup['group_size']}, RLOO, beta {setup['beta']}, seeds {setup['seeds']}. part = the setting's part of "
         "the expected gradient: (E[grad loss] - E[grad loss without it]) / beta (/ entropy_coef for the entropy "
         "bonus; the whole policy gradient for the engine weights). Its target: grad KL unless the theory names "

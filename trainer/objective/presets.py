@@ -207,42 +207,41 @@ REGISTRY.register(Preset(
 # "trajectory balance" loss (tba_loss) is a policy gradient with the advantage R - log Z, log Z the mean reward of
 # the prompt's 16 samples (train.py: logZ_list): drgrpo's. The token ratio pi / mu (mu recomputed by the trainer,
 # recompute_logprobs) is clamped to [0, 8], differentiable, with no PPO clip. Each response's loss is its token
-# sum divided by its length (normalize_batch_to_token_count, micro_bs 1), then averaged: seq-mean-token-mean,
-# except that the fork's length counts the prompt's tokens too. get_token_kl clamps k1 and k3 to +-10.
-PAPER_TB = {"advantage": "drgrpo", "ratio_cap": 8.0, "clip_eps": None, "loss_agg": "seq-mean-token-mean"}
-PAPER_NOTES = ("The fork divides each response's token sum by its whole length, prompt included; klstudy by its "
-               "response's. ")
+# sum divided by its prompt's and its response's tokens (normalize_batch_to_token_count with micro_bs 1: the
+# divisor max_tokens is the micro-batch's sum of seq_lens, len(input_ids), prompt included), then averaged over
+# responses (over grad_acc steps, and FSDP over processes): seq-mean-token-sum-seq-len. get_token_kl clamps k1 and
+# k3 to +-10.
+PAPER_TB = {"advantage": "drgrpo", "ratio_cap": 8.0, "clip_eps": None, "loss_agg": "seq-mean-token-sum-seq-len"}
 PAPER_REWARD = ("The KL in the reward is each response's KL under the policy being updated (detached), minus its "
                 "group's mean KL under the behaviour policy (mean_KL, from the recomputed log-probs): placement "
-                "reward-centred, reward_kl current. ")
+                "reward-centred, reward_kl current.")
 for estimator in ("k1", "k3"):
     REGISTRY.register(Preset(
         f"paper-{estimator}-reward", "A Comedy of Estimators",
         f"type=tb, kl_type={estimator}, kl_loc=reward, beta=0.005, async_level=10",
         {**PAPER_TB, "estimator": estimator, "placement": "reward-centred", "reward_kl": "current",
          "kl_value_clamp": 10.0, "beta": 0.005},
-        paper_source(f"MATH_experiments/KL{estimator}r_qwen_b005_async10"), PAPER_REWARD + PAPER_NOTES))
+        paper_source(f"MATH_experiments/KL{estimator}r_qwen_b005_async10"), PAPER_REWARD))
     REGISTRY.register(Preset(
         f"paper-{estimator}-loss", "A Comedy of Estimators",
         f"type=tb, kl_type={estimator}, kl_loc=loss, beta=0.005, async_level=10",
         {**PAPER_TB, "estimator": estimator, "placement": "loss", "kl_loss_ratio": "none", "kl_value_clamp": 10.0,
          "beta": 0.005},
         paper_source(f"MATH_experiments/KL{estimator}l_qwen_b005_async10"),
-        "beta x the clamped per-token KL added to each token's loss, with no importance weight. " + PAPER_NOTES))
+        "beta x the clamped per-token KL added to each token's loss, with no importance weight."))
 REGISTRY.register(Preset(
     "paper-grpo", "A Comedy of Estimators",
     "type=ratio (clip_ratio 8), no KL, async_level=10",
     {**PAPER_TB, "estimator": "k1", "placement": "none", "beta": 0.0},
     paper_source("MATH_experiments/GRPO_qwen_async10"),
     "The paper's GRPO: grpo_loss_ratio, the token ratio clamped to [0, 8] on the inference side's dr_grpo "
-    "advantages (rewards.py, advantage_estimation_method); the config file is at 71c17168. " + PAPER_NOTES))
+    "advantages (rewards.py, advantage_estimation_method); the config file is at 71c17168."))
 REGISTRY.register(Preset(
     "paper-icepop", "A Comedy of Estimators",
     "type=icepop (mask_ratio_low 0.125, mask_ratio_high 8, kl_tau 0), no KL, async_level=10",
     {**PAPER_TB, "ratio_floor": 0.125, "ratio_mode": "mask", "estimator": "k1", "placement": "none", "beta": 0.0},
     paper_source("MATH_experiments/IcePop_qwen_async10"),
-    "icepop_loss: tokens whose ratio pi / mu leaves [0.125, 8] are dropped; the config file is at e0fe44ae. "
-    + PAPER_NOTES))
+    "icepop_loss: tokens whose ratio pi / mu leaves [0.125, 8] are dropped; the config file is at e0fe44ae."))
 REGISTRY.register(Preset(
     "paper-k1-reward-reset50", "A Comedy of Estimators",
     "type=tb (k1 in the reward), beta=0.005, reference reset every 50 steps (reset=50), async_level=10",
@@ -250,7 +249,7 @@ REGISTRY.register(Preset(
     paper_source("MATH_experiments/TBA_qwen_b005_async10_reset50_IS"),
     "grpo.reference_reset_interval 50: the reference becomes a copy of the policy (copy_model_weights_fsdp). The "
     "config file and its loss (grpo_loss_tb: k1 in the reward, importance-sampled) are at 71c17168. "
-    + PAPER_REWARD + PAPER_NOTES))
+    + PAPER_REWARD))
 
 NAMES = REGISTRY.names
 
