@@ -176,7 +176,8 @@ def extra_axes(configs: list[dict[str, Any]]) -> list[str]:
 
 
 PRESET = "objective.preset"
-PRESET_KEYS = {f"objective.{key}" for preset in presets.REGISTRY for key in preset.keys}
+PRESET_KEYS = ({f"objective.{key}" for preset in presets.REGISTRY for key in preset.keys}
+               | {f"rollout.{key}" for preset in presets.REGISTRY for key in preset.rollout})
 
 
 def _varies_within_preset(configs: list[dict[str, Any]], key: str) -> bool:

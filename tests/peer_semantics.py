@@ -16,7 +16,10 @@ Sources, at the commits trainer/objective/presets.py cites:
 - SkyRL: skyrl/backends/skyrl_train/workers/worker.py:1077 (the KL loss per sequence)
 - open-instruct: open_instruct/grpo_utils.py (compute_rho_correction)
 - the Comedy paper's fork, bbartoldson/tba-prime@59c2f8ae: src/zeroband/training/loss.py (tba_loss, get_token_kl,
-  grpo_loss_ratio, icepop_loss, _apply_mask), src/zeroband/train.py (logZ and mean_KL per group of 16)
+  grpo_loss_ratio, icepop_loss, _apply_mask), src/zeroband/train.py (logZ and mean_KL per group of 16, max_tokens
+  and the division by num_grad_acc_steps), src/zeroband/training/data.py (seq_lens: len(input_ids), the prompt's
+  and the response's tokens; not stored at 59c2f8ae, the same at 115573dc, before tba_loss existed, and at 0d26fa06,
+  whose batches carry the problem_ids that 59c2f8ae's train.py reads)
 """
 
 from __future__ import annotations
@@ -39,13 +42,15 @@ class Batch:
     rewards: Tensor  # [B]
     mask: Tensor     # [B, T]
     group: int
+    prompt: Tensor   # [B] each row's prompt tokens
 
 
 def fixed_batch() -> Batch:
     """Two groups of two responses of up to four tokens, where every clamp of every preset binds somewhere: log-ratios
     to the reference of -25 and +45 (beyond 20 and 40), k3 values above 10 at l = -3.5, k1 values above 10 at
     l = +12, token ratios to mu of e^3 and e^-3 (beyond [0.125, 8]) and some beyond PPO's 0.2, sequence ratios beyond
-    TRL's clip, engine ratios of e^-12 (below open-instruct's e^-10) and e^1 (above its 2)."""
+    TRL's clip, engine ratios of e^-12 (below open-instruct's e^-10) and e^1 (above its 2). Prompts of 5, 2, 7 and 3
+    tokens: the fork's divisor counts them."""
     d = torch.float64
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=d)
     ref = torch.tensor([[-1.0, -46.0, -2.0, -0.7], [-13.5, -1.2, -0.3, -1.0],
@@ -60,7 +65,8 @@ def fixed_batch() -> Batch:
                               [0.05, 1.2, 0.0, 0.0], [-0.3, 0.0, 0.2, -11.0]], dtype=d)  # log mu / engine
     engine = old - to_engine
     rewards = torch.tensor([1.0, 0.0, 0.5, 1.0], dtype=d)
-    return Batch(logp.clone().requires_grad_(), ref, old, engine, rewards, mask, 2)
+    prompt = torch.tensor([5.0, 2.0, 7.0, 3.0], dtype=d)
+    return Batch(logp.clone().requires_grad_(), ref, old, engine, rewards, mask, 2, prompt)
 
 
 # --- building blocks, each as the sources compute it ---------------------------------------------------------------
@@ -217,9 +223,23 @@ def _fork_kl(kind: str, logp: Tensor, ref: Tensor, m: Tensor) -> Tensor:
     return value.clamp(-10, 10)
 
 
+def _fork_steps(per_token: Tensor, b: Batch) -> Tensor:
+    """train.py's gradient accumulation, one response per micro-batch (micro_bs 1, collate_mode padding): each
+    micro-batch's loss is _apply_mask's (per-token loss x mask).sum() / max_tokens, max_tokens = sum(seq_lens) with
+    normalize_batch_to_token_count, the response's prompt and response tokens (data.py: seq_lens is
+    len(input_ids), the prompt's tokens and the output's, unpadded), divided by num_grad_acc_steps and summed
+    by backward (FSDP then averages the processes' gradients: over processes of equal rows, the same mean)."""
+    steps = per_token.shape[0]
+    total = per_token.new_zeros(())
+    for i in range(steps):
+        max_tokens = int(b.prompt[i]) + int(b.mask[i].sum())
+        total = total + (per_token[i] * b.mask[i]).sum() / max_tokens / steps
+    return total
+
+
 def paper(b: Batch, beta: float, kind: str | None, where: str | None) -> Tensor:
     """tba_loss: advantage R - log Z (log Z the group's mean reward), the token ratio clamped to [0, 8], each response's
-    token sum over its length (_apply_mask with max_tokens its length), averaged over responses."""
+    token sum over its prompt's and its response's tokens (_fork_steps), averaged over responses."""
     adv = b.rewards - group_mean(b.rewards, b.group)
     if where == "reward":
         current = _fork_kl(kind, b.logp.detach(), b.ref, b.mask).sum(-1)
@@ -228,14 +248,15 @@ def paper(b: Batch, beta: float, kind: str | None, where: str | None) -> Tensor:
     per_token = -torch.clamp(torch.exp(b.logp - b.old), 0, 8) * adv.unsqueeze(-1)
     if where == "loss":
         per_token = per_token + beta * _fork_kl(kind, b.logp, b.ref, b.mask)
-    return seq_mean_token_mean(per_token, b.mask)
+    return _fork_steps(per_token, b)
 
 
 def paper_icepop(b: Batch, beta: float) -> Tensor:
+    """icepop_loss: each response's kept terms summed, over loss_scale (train.py's max_tokens, as _fork_steps)."""
     ratio = torch.exp(b.logp - b.old)
     keep = (ratio >= 0.125) & (ratio <= 8.0)
     adv = (b.rewards - group_mean(b.rewards, b.group)).unsqueeze(-1)
-    return seq_mean_token_mean(torch.where(keep, -ratio * adv, 0.0), b.mask)
+    return _fork_steps(torch.where(keep, -ratio * adv, 0.0), b)
 
 
 LIBRARIES = {

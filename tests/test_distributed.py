@@ -44,6 +44,7 @@ def noise_floor(warm_model):
 @pytest.mark.parametrize("extra", [
     {"train.micro_batch_size": 4},                                   # 4 micro-batches of one group
     {"train.micro_batch_size": 8, "objective.loss_agg": "seq-mean-token-mean"},
+    {"train.micro_batch_size": 4, "objective.loss_agg": "seq-mean-token-sum-seq-len"},  # each row's prompt read
     {"train.gradient_checkpointing": "true"},
     {"train.micro_batch_size": 4, "train.gradient_checkpointing": "true", "train.logprob_chunk": 0},
     # advantages normalised over the whole minibatch: computed once for it, not per micro-batch

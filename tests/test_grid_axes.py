@@ -10,6 +10,7 @@ import yaml
 from snakemake.utils import update_config
 
 from sweep.grid import StudyError, load_study
+from trainer import config as run_config
 
 REPO = Path(__file__).resolve().parent.parent
 OFF_POLICY_GRID = {"estimators": ["k1", "k3"], "placements": ["reward", "loss"], "betas": [0.1], "seeds": [0],
@@ -139,6 +140,10 @@ def test_the_off_policy_studies_grids():
     steps = {run.run_id.split("__")[0]: (run.config["task"]["name"], run.config["train"]["steps"]) for run in runs}
     assert steps == {"Qwen2.5-7B": ("math", 420), "Qwen3-4B-Instruct-2507": ("countdown", 520)}
     assert "Qwen2.5-7B__k1-reward-centred__b0.005__preset-paper-k1-reward-reset50__s0" in [r.run_id for r in runs]
+    # as the fork, mu's log-probs are the trainer's (the presets' rollout.recompute_logprobs)
+    for study in ("toy_offpolicy", "paper_offpolicy"):
+        assert all(run_config.from_dict(run.config).rollout.recompute_logprobs
+                   for run in load_study(study_config(study)).runs)
 
 
 def test_the_mps_variant_keeps_smols_run_ids_and_makes_eight_training_jobs_of_bf16_runs():

@@ -110,6 +110,7 @@ def test_completion_logprobs_lean_and_naive_agree_on_a_model(toy_model):
     rollouts = Rollouts(prompt_ids=prompts, n=2, token_ids=tokens, logprobs=[[0.0] * len(t) for t in tokens],
                         texts=[""] * 4, finish_reasons=["length"] * 4)
     batch = pack(rollouts, pad_id=0)
+    assert batch.prompt_lengths.tolist() == [3, 3, 2, 2] and batch.rows(slice(2, 4)).prompt_lengths.tolist() == [2, 2]
     results = {}
     for chunk in (0, 3):
         model.zero_grad()

@@ -22,6 +22,26 @@ def test_each_loss_aggregation_on_a_hand_computed_case(loss_agg, expected):
     assert aggregate(PER_TOKEN, MASK, loss_agg, norm_length=4).item() == pytest.approx(expected)
 
 
+def test_the_sequence_length_aggregation_counts_the_prompts_tokens_and_its_parts_add_up():
+    """seq-mean-token-sum-seq-len (the Comedy paper's fork): each token sum over prompt + response tokens, then the
+    mean over responses; micro-batches of rows, each with the whole batch's totals, add up to the whole."""
+    prompts = torch.tensor([3.0, 1.0], dtype=torch.float64)
+    whole = aggregate(PER_TOKEN, MASK, "seq-mean-token-sum-seq-len", prompt_lengths=prompts)
+    assert whole.item() == pytest.approx((3 / (3 + 2) + 4 / (1 + 1)) / 2, rel=1e-15)
+    parts = [aggregate(PER_TOKEN[i:i + 1], MASK[i:i + 1], "seq-mean-token-sum-seq-len", totals=(2, 3),
+                       prompt_lengths=prompts[i:i + 1]) for i in range(2)]
+    assert float(sum(parts)) == pytest.approx(whole.item(), rel=1e-15)
+    with pytest.raises(ValueError, match="seq-mean-token-sum-seq-len: aggregate needs prompt_lengths"):
+        aggregate(PER_TOKEN, MASK, "seq-mean-token-sum-seq-len")
+    config = ObjectiveConfig(placement="none", loss_agg="seq-mean-token-sum-seq-len")
+    logp = torch.full((2, 3), -1.0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="objective.loss_agg: compute_loss needs prompt_lengths"):
+        compute_loss(logp, logp, None, torch.tensor([1.0, 0.0], dtype=torch.float64), MASK, 2, config)
+    with pytest.raises(ValueError, match=r"prompt_lengths must have shape \[2\]"):
+        compute_loss(logp, logp, None, torch.tensor([1.0, 0.0], dtype=torch.float64), MASK, 2, config,
+                     prompt_lengths=prompts[:1])
+
+
 def _batch():
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5], [-2.0, -0.2], [-1.0, -1.0]], dtype=torch.float64)
     ref = torch.tensor([[-1.5, -1.0], [-0.5, -2.5], [-1.0, -0.2], [-2.0, -1.0]], dtype=torch.float64)

@@ -44,6 +44,19 @@ def test_a_run_config_takes_a_presets_values_under_the_keys_it_gives():
         run_config.load(None, ["model.path=m", "objective.preset=slime", "objective.ref_refresh_every=0"])
 
 
+def test_the_papers_presets_take_mu_from_the_trainer_unless_the_run_config_says_otherwise():
+    """The Comedy paper's fork recomputes the behaviour log-probs with the trainer (recompute_logprobs): a paper-*
+    preset sets rollout.recompute_logprobs where the run config does not; the others leave the run's default."""
+    paper = run_config.load(None, ["model.path=m", "objective.preset=paper-icepop"])
+    assert paper.rollout.recompute_logprobs and run_config.from_dict(paper.to_dict()) == paper
+    engine = run_config.load(None, ["model.path=m", "objective.preset=paper-icepop",
+                                    "rollout.recompute_logprobs=false"])
+    assert not engine.rollout.recompute_logprobs
+    assert not run_config.load(None, ["model.path=m", "objective.preset=verl"]).rollout.recompute_logprobs
+    assert {name for name in presets.NAMES if presets.REGISTRY[name].rollout} == {
+        name for name in presets.NAMES if name.startswith("paper-")}
+
+
 def test_presets_as_a_study_axis_set_each_runs_estimator_and_placement():
     config = study(seeds=[0])
     runs = {run.run_id: run for run in load_study(config).runs}
@@ -79,6 +92,9 @@ def test_a_key_a_preset_sets_is_no_axis_of_its_own():
     configs = [{"model": {"path": "m"}, "objective": ObjectiveConfig.of_preset(name, beta=1.0).__dict__}
                for name in ("verl", "nemo-rl", "trl-rloo")]
     assert axes.extra_axes(configs) == ["objective.preset"]  # not kl_loss_ratio, the clamps, ...
+    completed = [run_config.from_dict({"model": {"path": "m"}, "objective": {"preset": name}}).to_dict()
+                 for name in ("verl", "paper-k1-reward")]
+    assert axes.extra_axes(completed) == ["objective.preset"]  # nor the paper's rollout.recompute_logprobs
 
 
 def test_presets_are_tested_against_k1_reward_whichever_preset_computes_it():

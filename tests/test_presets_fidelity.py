@@ -21,7 +21,7 @@ def klstudy(name: str, batch, beta: float = BETA):
     run = {key: value for key, value in RUN.items() if key not in presets.REGISTRY[name].keys}
     config = ObjectiveConfig.of_preset(name, beta=beta, **run)
     loss, stats = compute_loss(batch.logp, batch.ref, batch.old, batch.rewards, batch.mask, batch.group, config,
-                               engine_logp=batch.engine)
+                               engine_logp=batch.engine, prompt_lengths=batch.prompt)
     (grad,) = torch.autograd.grad(loss, batch.logp)
     return loss.detach(), grad, stats
 

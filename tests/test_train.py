@@ -272,6 +272,39 @@ def test_training_with_a_presets_whole_objective(warm_model, tmp_path, preset, a
         assert all("ratio_bounded_frac" in line for line in lines)
 
 
+def test_a_paper_presets_step_takes_mu_from_the_trainer_and_each_rows_prompt_length(warm_model, tmp_path,
+                                                                                       monkeypatch):
+    """As the Comedy paper's fork: on stale rollouts the ratio's mu is the trainer's log-probs of the samples
+    (rollout.recompute_logprobs, which the paper-* presets set), not the engine's, and the loss divides by each
+    row's prompt and response tokens (the toy's prompts, "a+b=", have 4)."""
+    import trainer.run.step as step
+
+    base = {k: v for k, v in TOY_RUN.items() if not k.startswith("objective.")}
+    config = run_config.load(None, overrides(warm_model, base, **{
+        "objective.preset": "paper-k3-loss", "train.async_level": 1, "train.steps": 1}))
+    assert config.rollout.recompute_logprobs and config.objective.loss_agg == "seq-mean-token-sum-seq-len"
+    run = Run(config, tmp_path / "paper")
+    batches, prompts = [], []
+    real_batch, real_loss = step.step_batch, step.policy_loss
+
+    def recording_batch(*args):
+        batches.append(real_batch(*args))
+        return batches[-1]
+
+    def recording_loss(*args, **rest):
+        prompts.append(rest["prompt_lengths"])
+        return real_loss(*args, **rest)
+
+    monkeypatch.setattr(step, "step_batch", recording_batch)
+    monkeypatch.setattr(step, "policy_loss", recording_loss)
+    line = run.run_step()
+    run.verifier.close()
+    sb = batches[0]
+    assert sb.trainer_logp is not None and sb.old_logp is sb.trainer_logp
+    assert [length for part in prompts for length in part.tolist()] == [4] * 16
+    assert math.isfinite(line["loss"])
+
+
 @pytest.mark.parametrize("reward_kl", ["current", "sampler"])
 def test_training_with_the_full_vocabulary_kl_and_sequence_weights(warm_model, tmp_path, reward_kl):
     """Estimator full in the reward and the loss, on rollouts one step stale under sequence weights.

@@ -47,7 +47,8 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 16
     stop: tuple[str, ...] = ()
-    recompute_logprobs: bool = False  # behaviour log-probs from the trainer instead of the engine
+    recompute_logprobs: bool = False  # behaviour log-probs from the trainer instead of the engine (the paper-*
+                                      # presets' default: trainer.objective.presets, run_defaults)
     hf_decoding: str = "auto"       # hf only: auto (compiled on CUDA) | eager | compiled (trainer.rollout.decoding)
     # vllm only (trainer.rollout.vllm): a colocated engine per training process
     vllm_gpu_memory_utilization: float = 0.3  # share of each GPU for vLLM's weights and KV cache
@@ -201,6 +202,7 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"config: expected a mapping of sections, got {type(data).__name__}")
     hints = typing.get_type_hints(RunConfig)
     _reject_unknown(RunConfig, data, None)
+    data = presets.run_defaults(data)  # the rollout keys an objective preset decides, where not given
     names = [f.name for f in dataclasses.fields(RunConfig)]
     config = RunConfig(**{name: _section(hints[name], data.get(name), name) for name in names})
     validate(config)

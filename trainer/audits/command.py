@@ -62,14 +62,15 @@ def run(args: argparse.Namespace) -> int:
     """The audits the options ask for: their tables printed, and with --out written; 1 where the objective
     disagrees with its theory."""
     from trainer.audits import audit, coefficients, convergence, moving_targets, peers_audit, presets_audit
+    from trainer.audits.enumeration import PROMPT_LENGTH
 
     if args.vocab ** (args.length * args.group_size) > 200_000:
         raise ValueError(
             f"--vocab {args.vocab} --length {args.length} --group-size {args.group_size} means "
             f"{args.vocab ** (args.length * args.group_size):,} groups to enumerate; keep it under 200,000"
         )
-    setup = {"vocab": args.vocab, "length": args.length, "group_size": args.group_size, "seeds": list(args.seeds),
-             "beta": args.beta}
+    setup = {"vocab": args.vocab, "length": args.length, "prompt_length": PROMPT_LENGTH, "group_size": args.group_size,
+             "seeds": list(args.seeds), "beta": args.beta}
     if args.presets:
         rows = presets_audit.presets_audit(args.vocab, args.length, args.group_size, tuple(args.seeds), args.beta,
                                            args.tol, progress=args.progress)

@@ -17,6 +17,10 @@ from trainer.audits import tabular
 from trainer.audits.tabular import one_thread
 from trainer.objective.loss import ObjectiveConfig, compute_loss
 
+# The tokens of the prompt that every tabular sequence follows (its content never matters: the policy's first row
+# is its context). Only an aggregation that divides by the whole sequence's length reads it.
+PROMPT_LENGTH = 3
+
 
 @dataclass(frozen=True)
 class AuditInstance:
@@ -54,6 +58,7 @@ def _enumerated(inst: AuditInstance, config: ObjectiveConfig, group_size: int, o
     if not bool((weights > 0).all()):  # a sampler that never draws some sequences (top-p): only those it draws
         groups, weights = groups[weights > 0], weights[weights > 0]
     mask = torch.ones(groups.shape[1], space.length, dtype=torch.float64)
+    prompt_lengths = torch.full((groups.shape[1],), float(PROMPT_LENGTH), dtype=torch.float64)
     full = config.needs_full_kl
     sampler_token_kl = space.token_kl(sampler_logits, inst.ref_logits) if full and off_policy else None
     engine = engine_mismatch or config.needs_engine_logp  # the sampler is the engine (exact unless mismatched)
@@ -69,7 +74,8 @@ def _enumerated(inst: AuditInstance, config: ObjectiveConfig, group_size: int, o
                                 engine_logp=sampler_token_logp[rows] if engine else None,
                                 token_kl=None if token_kl is None else token_kl[rows],
                                 old_token_kl=None if sampler_token_kl is None else sampler_token_kl[rows],
-                                entropy=None if entropy is None else entropy[rows], stats=False)[0]
+                                entropy=None if entropy is None else entropy[rows], stats=False,
+                                prompt_lengths=prompt_lengths)[0]
         return loss
 
     return groups, weights, group_loss

@@ -133,7 +133,8 @@ def addition_cases(beta: float = 0.1, length: int = 2) -> list[Case]:
 def aggregation_cases(none: ObjectiveConfig, k3_loss: ObjectiveConfig, length: int) -> list[Case]:
     """A row for each registered aggregation: the k3 loss's part, on-policy. With responses of one length, an
     aggregation other than the token sums' (docs/concepts/theory.md, "When the identities are exact")
-    scales it by a constant (1 / length, or 1 / norm_length); at length 1 the audit states nothing."""
+    scales it by a constant (1 / length, 1 / norm_length, or 1 / (the prompt's length + length) with the
+    enumeration's PROMPT_LENGTH); at length 1 the audit states nothing."""
     cases = []
     for agg in loss_aggs.REGISTRY:
         values = {"loss_agg": agg.name, "norm_length": NORM_LENGTH if agg.needs_norm_length else None}
@@ -245,7 +246,8 @@ def _row(case: Case, results: list[dict[str, object]]) -> PartRow:
 
 def additions_markdown(rows: list[PartRow], setup: dict[str, object]) -> str:
     lines = [
-        f"The peers' settings, exactly: vocabulary {setup['vocab']}, length {setup['length']}, group size "
+        f"The peers' settings, exactly: vocabulary {setup['vocab']}, length {setup['length']} (after a prompt of "
+        f"{setup['prompt_length']} tokens, which only seq-mean-token-sum-seq-len reads), group size "
         f"{setup['group_size']}, RLOO, beta {setup['beta']}, seeds {setup['seeds']}. part = the setting's part of "
         "the expected gradient: (E[grad loss] - E[grad loss without it]) / beta (/ entropy_coef for the entropy "
         "bonus; the whole policy gradient for the engine weights). Its target: grad KL unless the theory names "

@@ -142,7 +142,8 @@ def _row(preset: presets.Preset, record: dict[str, list]) -> PresetRow:
 def presets_markdown(rows: list[PresetRow], setup: dict[str, object]) -> str:
     lines = [
         f"Each library's default KL configuration (trainer.objective.presets), audited exactly: "
-        f"vocabulary {setup['vocab']}, length {setup['length']}, group size {setup['group_size']}, seeds "
+        f"vocabulary {setup['vocab']}, length {setup['length']} (after a prompt of {setup['prompt_length']} tokens, "
+        f"which only the paper-* presets' aggregation reads), group size {setup['group_size']}, seeds "
         f"{setup['seeds']}, every preset at beta {setup['beta']} (the library's own default in its column), with its "
         "own advantage where it sets one, else RLOO. The KL part of the expected gradient, (E[grad loss] - E[grad "
         "loss, no KL]) / beta, on-policy and off-policy (samples of mu, the preset's ratios, the reward's KL as the "

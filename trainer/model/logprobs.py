@@ -38,6 +38,11 @@ class PackedBatch:
         """Non-padding tokens: what a forward pass over the batch processes."""
         return int(self.attention_mask.sum())
 
+    @property
+    def prompt_lengths(self) -> torch.Tensor:
+        """[B] the tokens of each row's prompt (left-padded to prompt_width)."""
+        return self.attention_mask[:, :self.prompt_width].sum(dim=-1)
+
 
 def pack(rollouts: Rollouts, pad_id: int) -> PackedBatch:
     """Tensors of prompts (repeated n times) and completions; empty completions get one masked pad."""

@@ -35,15 +35,21 @@ TOKEN_MEAN_STATS = ("ratio_mean", "clip_frac", "dual_clip_frac", "entropy", "tis
 
 
 def aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, norm_length: int | None = None,
-              totals: tuple[float, float] | None = None) -> Tensor:
+              totals: tuple[float, float] | None = None, prompt_lengths: Tensor | None = None) -> Tensor:
     """Reduce a [B, T] per-token loss over the response `mask` as `loss_agg` says (trainer.objective.loss_aggs).
 
     `totals` = (rows, tokens) of the whole batch these rows are a part of (all micro-batches, all
     processes). Means then divide by those, so the parts' losses add up to the whole batch's loss,
-    and their gradients to its gradient, exactly."""
+    and their gradients to its gradient, exactly. `prompt_lengths` [B]: each row's prompt tokens, for an
+    aggregation that reads them (`needs_prompt_lengths`)."""
     masked = per_token * mask
     rows, tokens = totals if totals is not None else (mask.shape[0], mask.sum().clamp(min=1))
-    return loss_aggs.REGISTRY[loss_agg].reduce(masked, mask, rows, tokens, norm_length)
+    spec = loss_aggs.REGISTRY[loss_agg]
+    if not spec.needs_prompt_lengths:
+        return spec.reduce(masked, mask, rows, tokens, norm_length)
+    if prompt_lengths is None:
+        raise ValueError(f"loss_agg {loss_agg}: aggregate needs prompt_lengths, the tokens of each row's prompt")
+    return spec.reduce(masked, mask, rows, tokens, norm_length, prompt_lengths=prompt_lengths)
 
 
 def _check_inputs(logp: Tensor, per_response: dict[str, Tensor], group_size: int | None,
@@ -132,6 +138,7 @@ def compute_loss(
     old_token_kl: Tensor | None = None,
     entropy: Tensor | None = None,
     stats: bool = True,
+    prompt_lengths: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The scalar loss to minimise and a dict of plain-float statistics, for one whole batch:
     `batch_advantages` then `policy_loss` (the trainer calls those two itself, so that advantages
@@ -156,6 +163,8 @@ def compute_loss(
               config.entropy_coef > 0
     stats     False: no statistics (an empty dict), for callers that only differentiate the loss (the
               audits call it tens of thousands of times; the statistics were over a third of their time)
+    prompt_lengths  [B] the tokens of each row's prompt, for an aggregation that divides by the whole
+              sequence's length (config.needs_prompt_lengths); ignored by the others
 
     The KL in the reward is computed from mu's log-probs (config.reward_kl "sampler", when old_logp
     is given) or from pi_theta's ("current").
@@ -171,7 +180,7 @@ def compute_loss(
             centre_kl = reward_kl(config, old_logp, ref_logp, mask, old_token_kl)  # the group means: the sampler's
     adv = batch_advantages(rewards, sequence_kl, group_size, config, mask, centre_kl)
     loss, loss_stats = policy_loss(logp, ref_logp, old_logp, adv.values, mask, config, totals, engine_logp,
-                                   token_kl, entropy, stats)
+                                   token_kl, entropy, stats, prompt_lengths)
     return loss, {**loss_stats, **advantage_stats(adv)} if stats else {}
 
 
@@ -187,17 +196,24 @@ def policy_loss(
     token_kl: Tensor | None = None,
     entropy: Tensor | None = None,
     stats: bool = True,
+    prompt_lengths: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss of some rows given their advantages ([B], or [B, T] with per-token KL rewards; from
     `batch_advantages`): the policy-gradient term, beta x the KL term where the KL goes in the loss, and
     minus entropy_coef x the entropy; with the loss statistics (none if not `stats`). The other arguments
     are `compute_loss`'s."""
     per_token = {"adv": adv} if adv.dim() == 2 else {}
-    _check_inputs(logp, {} if per_token else {"adv": adv}, None, ref_logp=ref_logp, mask=mask, old_logp=old_logp,
+    per_response = {} if per_token else {"adv": adv}
+    if prompt_lengths is not None:
+        per_response["prompt_lengths"] = prompt_lengths
+    _check_inputs(logp, per_response, None, ref_logp=ref_logp, mask=mask, old_logp=old_logp,
                   engine_logp=engine_logp, token_kl=token_kl, entropy=entropy, **per_token)
     if config.needs_engine_logp and engine_logp is None:
         key = "tis_cap" if config.tis_cap is not None else "kl_loss_ratio"
         raise ValueError(f"objective.{key}: compute_loss needs engine_logp, the engine's own log-probs")
+    if config.needs_prompt_lengths and prompt_lengths is None:
+        key = "loss_agg" if loss_aggs.REGISTRY[config.loss_agg].needs_prompt_lengths else "kl_loss_agg"
+        raise ValueError(f"objective.{key}: compute_loss needs prompt_lengths, the tokens of each row's prompt")
     if config.entropy_coef and entropy is None:
         raise ValueError("objective.entropy_coef: compute_loss needs entropy, each position's entropy (with grad)")
     dtype = kl.compute_dtype(logp, ref_logp)
@@ -215,7 +231,7 @@ def policy_loss(
         # weights of old / mu_engine: non-negative constants per token, so they scale the clipped term as is
         tis = engine_weights(old, engine_logp, maskf, config)
         pg = tis.weights * pg
-    loss_pg = aggregate(pg, maskf, config.loss_agg, config.norm_length, totals)
+    loss_pg = aggregate(pg, maskf, config.loss_agg, config.norm_length, totals, prompt_lengths)
 
     loss = loss_pg
     loss_kl = torch.zeros((), dtype=dtype, device=logp.device)
@@ -223,12 +239,12 @@ def policy_loss(
         kl_term = kl_loss_term(config, logp, ref_logp, token_kl, kl_loss_weight(config, logp_c, ratio, sequence,
                                                                                   engine_logp))
         loss_kl = config.beta * aggregate(kl_term, maskf, config.kl_loss_agg or config.loss_agg, config.norm_length,
-                                          totals)
+                                          totals, prompt_lengths)
         loss = loss + loss_kl
     loss_entropy = torch.zeros((), dtype=dtype, device=logp.device)
     if config.entropy_coef:
         loss_entropy = -config.entropy_coef * aggregate(entropy.to(dtype), maskf, config.loss_agg, config.norm_length,
-                                                        totals)
+                                                        totals, prompt_lengths)
         loss = loss + loss_entropy
 
     if not stats:

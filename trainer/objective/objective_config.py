@@ -64,9 +64,9 @@ class ObjectiveConfig:
                     reinforce++ normalises over the whole minibatch)
     grpo_scale      grpo only: divide by the group std (False gives Dr. GRPO's centring)
     loss_agg        how per-token losses become one number: seq-mean-token-sum | seq-mean-token-mean |
-                    token-mean | seq-mean-token-sum-norm (trainer.objective.loss_aggs, each one's docstring
-                    says what it computes; seq-mean-token-sum is the one under which the KL identities
-                    are exact: docs/concepts/theory.md, "When the identities are exact")
+                    token-mean | seq-mean-token-sum-norm | seq-mean-token-sum-seq-len (trainer.objective.loss_aggs,
+                    each one's docstring says what it computes; seq-mean-token-sum is the one under which the KL
+                    identities are exact: docs/concepts/theory.md, "When the identities are exact")
     norm_length     the constant of seq-mean-token-sum-norm (e.g. the maximum response length)
     kl_loss_agg     how the KL-loss term's per-token values become one number, where it differs from the
                     policy gradient's: one of loss_agg's choices; None = loss_agg. SkyRL averages its KL
@@ -275,6 +275,13 @@ class ObjectiveConfig:
         """Whether the loss reads the rollout engine's own log-probs (tis_cap, or the engine ratio)."""
         return self.tis_cap is not None or (self.kl_in_loss
                                             and kl_loss_ratios.REGISTRY[self.kl_loss_ratio].needs_engine_logp)
+
+    @property
+    def needs_prompt_lengths(self) -> bool:
+        """Whether the loss reads each row's prompt length: an aggregation (loss_agg, or kl_loss_agg where the KL is
+        in the loss) that divides by the whole sequence's length."""
+        return any(agg is not None and loss_aggs.REGISTRY[agg].needs_prompt_lengths
+                   for agg in (self.loss_agg, self.kl_loss_agg if self.kl_in_loss else None))
 
     @property
     def reads_sequence_ratios(self) -> bool:

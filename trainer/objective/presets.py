@@ -6,12 +6,15 @@ library turns one on by default; and, where the KL's meaning depends on them, th
 libraries that put the KL in per-token rewards whiten it with the return) and the policy gradient's ratio
 (TRL's RLOO clips a sequence ratio). Everything else (the advantage elsewhere, the aggregation, PPO's
 clip) stays the run's own, so that presets compare on one footing; `notes` says where the library's own
-choice differs. The Comedy paper's own runs (`paper-*`) set their whole objective. Every fact was read
+choice differs. The Comedy paper's own runs (`paper-*`) set their whole objective, and the one run key outside it
+that their objective depends on: mu's log-probs come from the trainer (`rollout`: recompute_logprobs). Every fact
+was read
 from the source at the commit given (`source`); docs/peers.md has the table and what each preset's
 gradient is (`python -m trainer audit --presets`).
 
 In a run config, `objective: {preset: verl, beta: 0.1}` is verl's configuration at beta 0.1: the
-preset's values fill in the keys not given beside it, and `preset` stays in the config as a label.
+preset's values fill in the keys not given beside it, and `preset` stays in the config as a label; its
+`rollout` values fill in the rollout keys the run config does not give (`run_defaults`).
 In Python, `ObjectiveConfig.of_preset("verl", beta=0.1)`. Free of torch, and of the config it fills in
 (`trainer.objective.objective_config` reads the names here, never the other way round).
 """
@@ -47,10 +50,12 @@ class Preset:
     values: Mapping[str, Any]      # ObjectiveConfig fields
     source: Source
     notes: str = ""                # where the library's computation differs from the preset's
+    rollout: Mapping[str, Any] = field(default_factory=dict)  # RolloutConfig fields the library decides too
     keys: tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
+        object.__setattr__(self, "rollout", MappingProxyType(dict(self.rollout)))
         object.__setattr__(self, "keys", tuple(self.values))
 
 
@@ -207,42 +212,46 @@ REGISTRY.register(Preset(
 # "trajectory balance" loss (tba_loss) is a policy gradient with the advantage R - log Z, log Z the mean reward of
 # the prompt's 16 samples (train.py: logZ_list): drgrpo's. The token ratio pi / mu (mu recomputed by the trainer,
 # recompute_logprobs) is clamped to [0, 8], differentiable, with no PPO clip. Each response's loss is its token
-# sum divided by its length (normalize_batch_to_token_count, micro_bs 1), then averaged: seq-mean-token-mean,
-# except that the fork's length counts the prompt's tokens too. get_token_kl clamps k1 and k3 to +-10.
-PAPER_TB = {"advantage": "drgrpo", "ratio_cap": 8.0, "clip_eps": None, "loss_agg": "seq-mean-token-mean"}
-PAPER_NOTES = ("The fork divides each response's token sum by its whole length, prompt included; klstudy by its "
-               "response's. ")
+# sum divided by its prompt's and its response's tokens (normalize_batch_to_token_count with micro_bs 1: the
+# divisor max_tokens is the micro-batch's sum of seq_lens, len(input_ids), prompt included), then averaged over
+# responses (over grad_acc steps, and FSDP over processes): seq-mean-token-sum-seq-len. get_token_kl clamps k1 and
+# k3 to +-10.
+PAPER_TB = {"advantage": "drgrpo", "ratio_cap": 8.0, "clip_eps": None, "loss_agg": "seq-mean-token-sum-seq-len"}
+# The fork's recompute_logprobs (config.py, default true) recomputes mu's log-probs with a copy of the policy that
+# sampled (train.py: model_for_logprob_only, the checkpoint of max_async_level steps before): the ratio's clamp,
+# IcePop's mask and mean_KL act on the trainer's log-probs, never on the engine's.
+PAPER_ROLLOUT = {"recompute_logprobs": True}
 PAPER_REWARD = ("The KL in the reward is each response's KL under the policy being updated (detached), minus its "
                 "group's mean KL under the behaviour policy (mean_KL, from the recomputed log-probs): placement "
-                "reward-centred, reward_kl current. ")
+                "reward-centred, reward_kl current.")
 for estimator in ("k1", "k3"):
     REGISTRY.register(Preset(
         f"paper-{estimator}-reward", "A Comedy of Estimators",
         f"type=tb, kl_type={estimator}, kl_loc=reward, beta=0.005, async_level=10",
         {**PAPER_TB, "estimator": estimator, "placement": "reward-centred", "reward_kl": "current",
          "kl_value_clamp": 10.0, "beta": 0.005},
-        paper_source(f"MATH_experiments/KL{estimator}r_qwen_b005_async10"), PAPER_REWARD + PAPER_NOTES))
+        paper_source(f"MATH_experiments/KL{estimator}r_qwen_b005_async10"), PAPER_REWARD, PAPER_ROLLOUT))
     REGISTRY.register(Preset(
         f"paper-{estimator}-loss", "A Comedy of Estimators",
         f"type=tb, kl_type={estimator}, kl_loc=loss, beta=0.005, async_level=10",
         {**PAPER_TB, "estimator": estimator, "placement": "loss", "kl_loss_ratio": "none", "kl_value_clamp": 10.0,
          "beta": 0.005},
         paper_source(f"MATH_experiments/KL{estimator}l_qwen_b005_async10"),
-        "beta x the clamped per-token KL added to each token's loss, with no importance weight. " + PAPER_NOTES))
+        "beta x the clamped per-token KL added to each token's loss, with no importance weight.", PAPER_ROLLOUT))
 REGISTRY.register(Preset(
     "paper-grpo", "A Comedy of Estimators",
     "type=ratio (clip_ratio 8), no KL, async_level=10",
     {**PAPER_TB, "estimator": "k1", "placement": "none", "beta": 0.0},
     paper_source("MATH_experiments/GRPO_qwen_async10"),
     "The paper's GRPO: grpo_loss_ratio, the token ratio clamped to [0, 8] on the inference side's dr_grpo "
-    "advantages (rewards.py, advantage_estimation_method); the config file is at 71c17168. " + PAPER_NOTES))
+    "advantages (rewards.py, advantage_estimation_method); the config file is at 71c17168.", PAPER_ROLLOUT))
 REGISTRY.register(Preset(
     "paper-icepop", "A Comedy of Estimators",
     "type=icepop (mask_ratio_low 0.125, mask_ratio_high 8, kl_tau 0), no KL, async_level=10",
     {**PAPER_TB, "ratio_floor": 0.125, "ratio_mode": "mask", "estimator": "k1", "placement": "none", "beta": 0.0},
     paper_source("MATH_experiments/IcePop_qwen_async10"),
-    "icepop_loss: tokens whose ratio pi / mu leaves [0.125, 8] are dropped; the config file is at e0fe44ae. "
-    + PAPER_NOTES))
+    "icepop_loss: tokens whose ratio pi / mu leaves [0.125, 8] are dropped; the config file is at e0fe44ae.",
+    PAPER_ROLLOUT))
 REGISTRY.register(Preset(
     "paper-k1-reward-reset50", "A Comedy of Estimators",
     "type=tb (k1 in the reward), beta=0.005, reference reset every 50 steps (reset=50), async_level=10",
@@ -250,7 +259,7 @@ REGISTRY.register(Preset(
     paper_source("MATH_experiments/TBA_qwen_b005_async10_reset50_IS"),
     "grpo.reference_reset_interval 50: the reference becomes a copy of the policy (copy_model_weights_fsdp). The "
     "config file and its loss (grpo_loss_tb: k1 in the reward, importance-sampled) are at 71c17168. "
-    + PAPER_REWARD + PAPER_NOTES))
+    + PAPER_REWARD, PAPER_ROLLOUT))
 
 NAMES = REGISTRY.names
 
@@ -264,3 +273,15 @@ def expand(section: Mapping[str, Any]) -> dict[str, Any]:
     if name not in REGISTRY:
         raise ValueError(f"objective.preset: {name!r} is not one of {', '.join(REGISTRY.names)}")
     return {**REGISTRY[name].values, **section}
+
+
+def run_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A run config (plain sections) with its objective preset's `rollout` values under the rollout keys it gives
+    itself; as it is without a preset, or with a preset that is not one (the objective's check names it)."""
+    objective = config.get("objective")
+    rollout = config.get("rollout") or {}
+    name = objective.get("preset") if isinstance(objective, Mapping) else None
+    preset = REGISTRY[name] if isinstance(name, str) and name in REGISTRY else None
+    if preset is None or not preset.rollout or not isinstance(rollout, Mapping):
+        return dict(config)
+    return {**config, "rollout": {**preset.rollout, **rollout}}

@@ -179,7 +179,7 @@ def update(run: "Run", objective: ObjectiveConfig, batch: PackedBatch, adv: Adva
         loss, stats = policy_loss(logp, ref_logp[part], None if old_logp is None else old_logp[part],
                                   adv.values[part], micro.completion_mask, objective, totals=totals,
                                   engine_logp=None if engine_logp is None else engine_logp[part], token_kl=token_kl,
-                                  entropy=entropy if bonus else None)
+                                  entropy=entropy if bonus else None, prompt_lengths=micro.prompt_lengths)
         (loss * world.size).backward()  # FSDP averages gradients over processes; the parts must add up
         stats.update(advantage_stats(adv.rows(part)), loss=float(loss.detach()))
         if entropy is not None:
