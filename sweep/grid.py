@@ -80,8 +80,15 @@ class ModelSpec:
 
     @property
     def prepared(self) -> bool:
-        """Whether the prepare step writes the model (into <results>/models/<name>)."""
+        """Whether the prepare step writes the model (into <results>/models/<stem>)."""
         return self.build is not None or self.gguf is not None
+
+    @property
+    def stem(self) -> str:
+        """Its files' name under <results>/models: a prepared model's carries the digest of how it is made, so
+        that a changed build or import is a new model, prepared anew, and the runs trained from the old one
+        say so (their model.path: sweep.changes)."""
+        return f"{self.name}.{spec_digest({'build': self.build, 'gguf': self.gguf})}" if self.prepared else self.name
 
 
 @dataclass(frozen=True)
@@ -105,18 +112,17 @@ class Study:
         return self.by_id[run_id]
 
     def model_dir(self, model: str) -> Path:
-        """Where `prepare` writes a built model."""
-        return self.results / "models" / model
+        """Where `prepare` writes a built or imported model (ModelSpec.stem)."""
+        return self.results / "models" / self.models[model].stem
 
     def model_ready(self, model: str) -> Path:
         """The marker `prepare` writes last; training waits for it."""
-        return self.results / "models" / f"{model}.ready"
+        return self.results / "models" / f"{self.models[model].stem}.ready"
 
     def data_file(self, name: str) -> Path:
         """Where `prepare` writes a data set: named by its spec too (`<name>.<digest>.jsonl`), so that a changed
         spec is a new file, prepared anew, and an evaluation of the old one records another source."""
-        spec = json.dumps(self.data[name], sort_keys=True, default=str)
-        return self.results / "data" / f"{name}.{hashlib.sha256(spec.encode()).hexdigest()[:8]}.jsonl"
+        return self.results / "data" / f"{name}.{spec_digest(self.data[name])}.jsonl"
 
     def eval_steps(self, run_id: str) -> list[int]:
         """The checkpoint steps to evaluate besides the final model (every N-th, when asked)."""
@@ -147,6 +153,11 @@ class Study:
         return merged
 
 
+def spec_digest(spec: Any) -> str:
+    """Eight hex digits of a spec's JSON: what the prepare step makes is named by what it is made from."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
 def _models(data: dict[str, Any]) -> dict[str, ModelSpec]:
     """The study's models (their shape checked by the schema): a name may not hold the run ids' '__'."""
     models = {}
@@ -161,7 +172,7 @@ def _models(data: dict[str, Any]) -> dict[str, ModelSpec]:
 
 def _model_config(shared: dict[str, Any], model: ModelSpec, results: str, every: int) -> dict[str, Any]:
     """What the study sets for every run of `model`, before the grid's coordinates."""
-    path = str(Path(results) / "models" / model.name) if model.prepared else model.path
+    path = str(Path(results) / "models" / model.stem) if model.prepared else model.path
     return _for_evaluation(merge(merge(shared, model.run), {"model": {"path": path, "name": model.name}}), every)
 
 

@@ -11,7 +11,7 @@ from test_workflow import toy_config
 
 from sweep import jobs
 from sweep.checks import merge
-from sweep.grid import StudyError, load_study, run_id
+from sweep.grid import StudyError, load_study, run_id, spec_digest
 from sweep.study_check import preflight
 
 
@@ -29,8 +29,13 @@ def test_grid_deduplicates_the_baseline_and_names_runs_stably():
     two_betas["grid"]["betas"] = [0.1, 1.0]
     ids = [r.run_id for r in load_study(two_betas).runs]
     assert len(ids) == 9 * 2 * 3 + 3 and len(set(ids)) == len(ids)  # one baseline per seed, not per beta
-    assert k3.config["train"]["seed"] == 1 and k3.config["model"] == {"path": "results/models/toy-sft",
+    assert k3.config["train"]["seed"] == 1 and k3.config["model"] == {"path": str(study.model_dir("toy-sft")),
                                                                        "name": "toy-sft"}
+    made_by = spec_digest({"build": study.models["toy-sft"].build, "gguf": None})
+    assert study.model_dir("toy-sft").name == f"toy-sft.{made_by}"  # named by how it is made
+    other = toy_config()
+    other["models"]["toy-sft"]["build"]["sft"]["steps"] = 60
+    assert load_study(other).model_dir("toy-sft") != study.model_dir("toy-sft")  # another warm-up, another model
     assert run_id("m", "k1", "reward", 1.0, 0) == "m__k1-reward__b1__s0"  # 1.0 and 1 name the same run
     del config_without_steps["run"]["train"]["steps"]
     config_without_steps["run"]["checkpoint"]["every"] = 10

@@ -235,6 +235,11 @@ def test_outputs_made_otherwise_stop_the_study_with_the_keys_and_the_two_ways_on
     keys = changes.survey(study).evaluations[0].keys
     assert list(keys) == ["evaluate.data.arith"] and keys["evaluate.data.arith"][0].startswith("content ")
 
+    warmed = {**HEALING, "models": {"toy-sft": {"build": {**HEALING["models"]["toy-sft"]["build"], "sft": {
+        **HEALING["models"]["toy-sft"]["build"]["sft"], "steps": 300}}}}}  # another reference model
+    keys = changes.survey(study_of(warmed, tmp_path)).runs[0].keys  # (its train.steps too, from above)
+    assert keys["model.path"] == (str(study.model_dir("toy-sft")), str(study_of(warmed, tmp_path).model_dir("toy-sft")))
+
     shutil.rmtree(tmp_path / "runs" / RUNS[2])  # deleted by hand: its evaluations scored a model that is gone
     survey = changes.survey(study)
     assert survey.stale == [f"{RUNS[2]}/step_6/toy", f"{RUNS[2]}/toy"]
@@ -494,7 +499,8 @@ def test_a_study_grown_by_an_override_file_killed_goes_on_and_reruns_exactly_wha
     assert stopped.returncode != 0 and "7 runs were made otherwise than the study says now (train.steps: 8 there, " \
         "6 now;" in said and "--config rerun=changed" in said
     kept = snapshot(results)
-    model = (results / "models" / "toy-sft.ready").stat().st_mtime_ns
+    ready = study_of(SHORT, results).model_ready("toy-sft")
+    model = ready.stat().st_mtime_ns
     rerun_ = finish_study(tmp_path, [base, shorter], LOCAL, "--config", "rerun=changed")
     assert rerun_.returncode == 0, rerun_.stderr[-4000:]
     said = re.search(r"klstudy rerun: 7 point\(s\) and 0 evaluation\(s\) discarded, to run again from scratch: (.*)",
@@ -504,7 +510,7 @@ def test_a_study_grown_by_an_override_file_killed_goes_on_and_reruns_exactly_wha
     assert sorted(Path(path).name for path in trained) == sorted(RUNS + new)  # each once
     for run in RUNS + new:
         assert [m["step"] for m in read_metrics(results / "runs" / run / "metrics.jsonl")] == list(range(6)), run
-    assert (results / "models" / "toy-sft.ready").stat().st_mtime_ns == model  # the reference model untouched
+    assert ready.stat().st_mtime_ns == model  # the reference model untouched
     assert set(changed(results, kept)) == set(kept)  # every run and evaluation made anew
     [moved] = (results / "discarded").iterdir()
     assert sorted(path.name for path in (moved / "runs").iterdir()) == sorted(RUNS + new)

