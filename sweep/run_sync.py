@@ -129,8 +129,10 @@ def _child(store: Store, record: RunRecord, directory: Path, verify: bool, repor
     client = store.client
     claim = sync_records.latest_claim(directory, "child")
     generation, stale = 0, set()
-    if claim is None:  # a new run directory; if it replaced one (a point rerun from scratch), not its child
+    if claim is None or claim[1].get("run_id") in sync_records.retired(directory):
+        # a new grid point, or one rerun from scratch (sweep.rerun retired its child): a new child
         stale = _delete_retired(client, directory)
+        generation = 0 if claim is None else claim[0] + 1
     else:
         generation, held = claim
         if held.get("experiment_id") == store.experiment_id:

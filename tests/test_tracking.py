@@ -420,10 +420,11 @@ def test_a_point_rerun_from_scratch_replaces_its_child_run(tmp_path):
     first = sync(results, "rerun", uri)
     name = "toy__k3-loss__b0.05__s0"
     run_dir = results / "runs" / name
-    children = sync_records.claimed_children(run_dir)
+    children = sync_records.claimed_children(results, name)
+    assert not (run_dir / sync_records.HIDDEN).exists()  # the sync wrote nothing into the run directory
     run_dir.rename(tmp_path / "discarded")
     for key, run_ids in children.items():
-        sync_records.retire(sync_records.records_dir(run_dir, key), run_ids)
+        sync_records.retire(sync_records.run_records(results, name, key), run_ids)
     write_run(results, name, "k3", "loss", 0.05, 0, [0.9, 0.9], {"math500": 0.3})  # retrained: 2 steps so far
     again = sync(results, "rerun", uri)
     assert again.runs_created == 1 and again.child_run_ids[name] != first.child_run_ids[name]
@@ -447,6 +448,7 @@ def test_an_unreachable_server_is_one_clear_error(tmp_path):
 
 LIVE_STUDY = {
     "study": "live-uri",
+    "results": "results",
     "grid": {"estimators": ["k1"], "placements": ["reward"], "betas": [0.1], "seeds": [0], "baseline": False},
     "run": {"task": {"name": "arithmetic", "options": {"max_operand": 9}}, "rollout": {"max_new_tokens": 4},
             "train": {"steps": 3, "prompts_per_step": 4, "group_size": 4}},
