@@ -413,7 +413,7 @@ def grow_and_heal(directory: Path, profile: list[str], uninterrupted: str, prepa
     assert [(results / "runs" / run / COMPLETE).exists() for run in GROWN] == [True, True, False, True]
     shown = subprocess.run([sys.executable, "-m", "sweep", "status", "--configfile", str(grown)], cwd=directory,
                            capture_output=True, text=True)
-    assert "8 points: 7 done, 1 failed, 0 running, 0 pending" in shown.stdout, shown.stdout + shown.stderr
+    assert "8 points: 0 changed, 7 done, 1 failed, 0 running, 0 pending" in shown.stdout, shown.stdout + shown.stderr
     failed_line = next(line for line in shown.stdout.splitlines() if line.startswith("  failed"))
     log = results / "runs" / GROWN[2] / "train.log"
     assert GROWN[2] in failed_line and f"log: {log.relative_to(directory)}" in failed_line
@@ -422,7 +422,8 @@ def grow_and_heal(directory: Path, profile: list[str], uninterrupted: str, prepa
     kept = snapshot(results)
     fixed = finish_study(directory, grown, profile, "--config", "rerun=failed")
     assert fixed.returncode == 0, fixed.stderr[-5000:]
-    assert f"klstudy rerun: 1 point(s) discarded, to run again from scratch: {GROWN[2]}" in fixed.stderr
+    assert f"klstudy rerun: 1 point(s) and 0 evaluation(s) discarded, to run again from scratch: {GROWN[2]}" in \
+        fixed.stderr
     assert not changed(results, kept)
     assert attempts(results, GROWN[2]) == 1  # a new run directory, trained from scratch once
     assert [m["step"] for m in read_metrics(results / "runs" / GROWN[2] / "metrics.jsonl")] == list(range(STEPS))
@@ -498,6 +499,9 @@ def test_a_study_grown_by_an_override_file_killed_goes_on_and_reruns_exactly_wha
     said = stopped.stdout + stopped.stderr  # a dry run's error goes to stdout
     assert stopped.returncode != 0 and "7 runs were made otherwise than the study says now (train.steps: 8 there, " \
         "6 now;" in said and "--config rerun=changed" in said
+    planned = finish_study(tmp_path, [base, shorter], LOCAL, "-n", "--config", "rerun=changed")
+    assert planned.returncode == 0, planned.stderr[-3000:]  # the plan says what the run will do
+    assert "runs: 7 start fresh, 0 resume from a checkpoint, 0 finished" in planned.stdout
     kept = snapshot(results)
     ready = study_of(SHORT, results).model_ready("toy-sft")
     model = ready.stat().st_mtime_ns
