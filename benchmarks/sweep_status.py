@@ -4,7 +4,7 @@
 
 The tree is the study's whole grid (paper.yaml: 333 points) in the states of a study in mid-course,
 its files written as the trainer and the evaluation write them: a quarter of the runs finished (a
-metrics.jsonl of every step, COMPLETE, every evaluation's metrics.json), a quarter running (a
+metrics.jsonl of every step, COMPLETE, every evaluation's metrics.json with what made it), a quarter running (a
 lease whose heartbeat is fresh, half of their steps logged), a tenth failed (FAILED), the rest
 pending (some with steps logged, most not started). The command then runs --repeat times in a
 fresh interpreter, as a person types it; the last line is `status_s=<median>` (what the docs quote).
@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from sweep import jobs  # noqa: E402
+from sweep.evaluations import Expected  # noqa: E402
 from sweep.grid import load_study  # noqa: E402
 from trainer.run_files import COMPLETE, METRICS, record_failure  # noqa: E402
 
@@ -39,6 +40,7 @@ def write_tree(config_file: Path, results: Path) -> tuple[Path, int]:
     config = yaml.safe_load(config_file.read_text())
     config["results"] = str(results)
     study = load_study(config)
+    expected = Expected(study)  # what each evaluation records (its provenance), as the study's jobs write it
     targets: dict[str, list[jobs.EvalTarget]] = {}
     for target in jobs.evaluations(study):
         targets.setdefault(target.run, []).append(target)
@@ -58,7 +60,8 @@ def write_tree(config_file: Path, results: Path) -> tuple[Path, int]:
             for target in targets.get(run.run_id, []):
                 out = results / "eval" / target.key
                 out.mkdir(parents=True, exist_ok=True)
-                (out / "metrics.json").write_text(json.dumps({"tasks": {"math500": {"value": 0.5, "n": 500}}}))
+                (out / "metrics.json").write_text(json.dumps({"tasks": {"math500": {"value": 0.5, "n": 500}},
+                                                              "provenance": expected(target)}))
         elif kind == "running":
             (run_dir / "lease.0.json").write_text(json.dumps({"host": "gpu-node-1", "pid": 1000 + number,
                                                               "slurm_job": f"4242_{number}",
