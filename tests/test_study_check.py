@@ -225,6 +225,27 @@ def test_devices_and_gpus_are_checked_per_model_and_rule():
         "models.toy-sft.resources.evaluate.gpus: 1)"]
 
 
+def test_a_training_step_that_asks_more_cpus_than_its_job_holds_stops_the_study_before_any_job(tmp_path,
+                                                                                              monkeypatch):
+    """On several nodes the trainer starts one process per GPU as one srun step, each with a CPU at least
+    (trainer.launch): with fewer CPUs than GPUs per node the step asked more CPUs than its job holds, and
+    srun refused it, on SLURM after the job's wait in the queue. The dry run said nothing."""
+    result = dry_run(tmp_path, toy(resources={"train": {"nodes": 2, "gpus": 8, "cpus": 2}}))
+    assert result.returncode != 0 and not (tmp_path / "results").exists()
+    assert error_lines(result) == [
+        "study config: resources.train.cpus: 2, but the train jobs of toy-sft start 8 processes per node (one per "
+        "GPU) as one srun step on 2 nodes, each with a CPU at least, and hold 2 CPUs per node: srun would refuse "
+        "the step, on SLURM after the job's wait in the queue (set resources.train.cpus: 8 or more)"]
+    monkeypatch.chdir(tmp_path)
+    own = toy(models={"toy-sft": {**TOY["models"]["toy-sft"], "resources": {"train": {"nodes": 2, "gpus": 4}}}},
+              resources={"train": {"tasks": 2}})  # 2 tasks of 1 CPU per node for 4 processes
+    with pytest.raises(StudyError, match=r"^models.toy-sft.resources.train.cpus: 1, but .* start 4 processes per "
+                                         r"node .* hold 2 CPUs per node: .*set models.toy-sft.resources.train.cpus: 2"):
+        preflight(load_study(own))
+    for enough in ({"nodes": 2, "gpus": 8, "cpus": 8}, {"nodes": 1, "gpus": 8, "cpus": 2}, {"nodes": 2, "tasks": 4}):
+        preflight(load_study(toy(resources={"train": enough})))  # one node with its GPUs: no srun step
+
+
 # --- the plan ---------------------------------------------------------------------------------------
 
 
