@@ -8,6 +8,15 @@ and can never take the caller down with it.
 Workers are plain `python -m eval.workers module:function` subprocesses talking length-prefixed
 pickle over their stdin/stdout. Unlike multiprocessing's spawn or forkserver, this never re-imports
 the host's __main__ (a notebook, stdin, another tool's CLI) and never forks the host's threads.
+
+Workers ignore SIGTERM and SIGINT (held back as they start, ignored once they serve). SLURM and the
+submitit executor stop a job with SIGTERM to its whole process group; the trainer answers it by
+finishing its step and checkpointing, and workers that died of the same signal would have scored that
+step's calls 0. Their parent stops them: it closes their stdin (an idle worker then exits) or kills
+them at a deadline. They stay in the job's process group, so the SIGKILL that ends a job that outlived
+its grace reaches them too; in a session of their own they would escape it and the executor's wait for
+the group. A parent killed outright leaves a busy worker to finish its call (EOF or a broken pipe then
+ends it); only a call hung in native code waits for that SIGKILL.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import logging
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -27,6 +37,7 @@ from typing import Any, BinaryIO
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<Q")
+JOB_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # what stops a job (SLURM) or a terminal's foreground group
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,9 @@ def _read_frame(stream: BinaryIO) -> object:
 
 def _serve(target: str) -> None:
     """Worker side: run `module:function` on every (index, args) frame until stdin closes."""
+    for number in JOB_SIGNALS:  # one that came while Python started was held back, and is dropped here
+        signal.signal(number, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
     module, _, name = target.partition(":")
     fn = getattr(importlib.import_module(module), name)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
@@ -82,9 +96,16 @@ def _serve(target: str) -> None:
 class _Worker:
     def __init__(self, target: str) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "eval.workers", target],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        # The worker starts with the job's signals blocked (a blocked mask survives exec) until `_serve`
+        # ignores them: a signal in the interpreter's start would kill it. This thread's mask alone
+        # changes, so a signal meant for this process waits at most for the Popen call, or goes elsewhere.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "eval.workers", target],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.task: int | None = None
         self.deadline = 0.0
         self.ready = False  # a call's deadline starts only once the worker has imported its target

@@ -19,6 +19,7 @@ from typing import Any, Collection, Mapping
 from snakemake_executor_plugin_submitit.resources import slurm_parameters
 from sweep import budget
 from sweep.executor_settings import executor_setting
+from sweep.fetch_job import fetch_model_resources
 from sweep.grid import Study
 from sweep.jobs import Work
 from trainer.run_files import COMPLETE
@@ -42,20 +43,26 @@ def sbatch_options(resources: Mapping[str, Any], defaults: Mapping[str, str]) ->
 
 
 def prepare_jobs(study: Study) -> int:
-    """The prepare jobs the DAG holds: a model (built, imported or fetched), an evaluation data set or the
-    audit whose output is not there yet."""
+    """The prepare jobs the DAG holds but fetch_model's: a model (built or imported), an evaluation data set
+    or the audit whose output is not there yet."""
     data = [name for name in study.data if name in study.evaluate["data"].values()]
-    outputs = [*map(study.model_ready, study.models), *map(study.data_file, data),
-               study.results / "audit" / "gradient_audit.csv"]
+    outputs = [*(study.model_ready(name) for name, spec in study.models.items() if spec.prepared),
+               *map(study.data_file, data), study.results / "audit" / "gradient_audit.csv"]
     return sum(not path.exists() for path in outputs)
 
 
+def fetch_model_jobs(study: Study) -> int:
+    """fetch_model's jobs in the DAG: a model only checked (a local directory or a hub id) and not ready yet."""
+    return sum(not study.model_ready(name).exists() for name, spec in study.models.items() if not spec.prepared)
+
+
 def job_groups(study: Study, work: Work) -> list[tuple[str, int, dict[str, Any]]]:
-    """(what, how many jobs, the resources of each), as the rules in workflow/rules make them: train and
-    evaluate jobs for the pending work only (sweep.jobs), per model (models whose jobs get the same
-    resources share a group)."""
-    prepare = prepare_jobs(study)
+    """(what, how many jobs, the resources of each), as the rules in workflow/rules make them: fetch_model's
+    small jobs apart from the other prepare jobs (sweep.fetch_job); train and evaluate jobs for the pending
+    work only (sweep.jobs), per model (models whose jobs get the same resources share a group)."""
+    prepare, fetches = prepare_jobs(study), fetch_model_jobs(study)
     groups = [("prepare", prepare, study.resources_for("prepare"))] if prepare else []
+    groups += [("prepare, fetch_model", fetches, fetch_model_resources(study))] if fetches else []
     model = {run.run_id: run.model for run in study.runs}
     evaluated = {target.key: target.run for target in work.evaluations}
     jobs_of = {"train": [bundle.pending[0] for bundle in work.train_bundles] if study.bundle["train"] > 1

@@ -15,6 +15,9 @@ warnings and notes come back as lines to print.
   (trainer.srun): where the jobs run on this machine (Snakemake's local executor), nodes > 1 for
   training cannot work, and is an error before any job starts (`check_nodes`, from the Snakefile's
   onstart, where the executor is known), never a silent run on one node.
+- A training job of several nodes starts one process per GPU as one srun step, each with a CPU at least
+  (trainer.launch): a job with fewer CPUs than GPUs per node would ask more CPUs for the step than it
+  holds, and srun refuses such a step after the job's wait in the queue (`check_step_cpus`).
 - The runs and evaluations already there were made as the study says now (sweep.changes: else the study
   says which outputs and keys changed, and the two ways on).
 - A job's device and its GPUs agree: cuda with no GPU fails on a cluster (an error: asking for
@@ -33,6 +36,7 @@ from sweep.checks import StudyError
 from sweep.grid import Study, load_study
 from sweep.hub_needs import cached, needs
 from sweep.rerun import Discarded
+from trainer.launch import srun_step
 from trainer.model import model_source
 
 WARNING, NOTE = "warning: study config: ", "note: study config: "
@@ -56,6 +60,7 @@ def preflight(study: Study, survey: Survey | None = None, discarded: Discarded |
     if error is not None:
         raise error
     _check_model_paths(study)
+    check_step_cpus(study)
     return [*_hub_notes(study, configfiles), *_device_warnings(study)]
 
 
@@ -74,6 +79,22 @@ def check_nodes(study: Study, config: dict[str, Any], jobs_run_here: bool) -> No
                              "training on several nodes starts its processes with srun in a SLURM job: run with "
                              f"--profile profiles/slurm, or set {key}: 1 (and gpus, or tasks on cpu, for more "
                              "processes on this machine)")
+
+
+def check_step_cpus(study: Study) -> None:
+    """A training job's srun step may ask no more CPUs per node than the job holds (`tasks` x `cpus`)."""
+    for name, model in study.models.items():
+        resources = study.resources_for("train", name)
+        nodes, tasks, cpus = resources.get("nodes") or 1, resources.get("tasks") or 1, resources.get("cpus") or 1
+        step = srun_step(nodes, resources.get("gpus") or 0, tasks, cpus)
+        if step is None or step[0] * step[1] <= tasks * cpus:
+            continue
+        own = {"cpus", "gpus", "tasks"} & set(model.resources.get("train", {}))
+        key = f"models.{name}.resources.train.cpus" if own else "resources.train.cpus"
+        raise StudyError(f"{key}: {cpus}, but the train jobs of {name} start {step[0]} processes per node (one per "
+                         f"GPU) as one srun step on {nodes} nodes, each with a CPU at least, and hold {tasks * cpus} "
+                         f"CPU{'s' * (tasks * cpus != 1)} per node: srun would refuse the step, on SLURM after the "
+                         f"job's wait in the queue (set {key}: {-(-step[0] // tasks)} or more)")
 
 
 def _check_model_paths(study: Study) -> None:

@@ -50,7 +50,12 @@ LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
 
 
 class TrackingAccessError(ValueError):
-    """The tracking server refused this client: no credentials, or wrong ones."""
+    """The tracking server refused this client: no credentials, wrong ones, or a host name it does not allow."""
+
+
+# What MLflow 3's server answers (403) to a Host header that is not localhost or a private IP and is not in
+# its --allowed-hosts: its guard against DNS rebinding (mlflow/server/security_utils.py, INVALID_HOST_MSG)
+HOST_NOT_ALLOWED = "Invalid Host header - possible DNS rebinding attack detected"
 
 
 def public_uri(uri: str) -> str:
@@ -66,8 +71,24 @@ def public_uri(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
 
 
+def host_header(uri: str) -> str:
+    """The Host header a client of `uri` sends: its host name, and its port when the URI names one."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname or ""
+    return host + (f":{parts.port}" if parts.port else "")
+
+
 def _check_access(error: Exception, uri: str) -> None:
-    """A 401/403 from the server as one error that says what to set (anything else: raised as is)."""
+    """A 401/403 from the server as one error that says what to set or start (anything else: raised as is)."""
+    if getattr(error, "error_code", None) == "PERMISSION_DENIED" and HOST_NOT_ALLOWED in str(error):
+        host = host_header(uri)
+        raise TrackingAccessError(
+            f"the tracking server {public_uri(uri)} does not allow the host name {host} that this client "
+            f"reaches it by (MLflow allows only localhost and private IPs by default): start it with "
+            f"`mlflow server ... --allowed-hosts {host}`, adding any other name it is reached by "
+            "(localhost:* for a tunnel)") from None
     if getattr(error, "error_code", None) in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
         raise TrackingAccessError(
             f"the tracking server {public_uri(uri)} refused access ({error.error_code}): set "

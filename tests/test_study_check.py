@@ -225,6 +225,27 @@ def test_devices_and_gpus_are_checked_per_model_and_rule():
         "models.toy-sft.resources.evaluate.gpus: 1)"]
 
 
+def test_a_training_step_that_asks_more_cpus_than_its_job_holds_stops_the_study_before_any_job(tmp_path,
+                                                                                              monkeypatch):
+    """On several nodes the trainer starts one process per GPU as one srun step, each with a CPU at least
+    (trainer.launch): with fewer CPUs than GPUs per node the step asked more CPUs than its job holds, and
+    srun refused it, on SLURM after the job's wait in the queue. The dry run said nothing."""
+    result = dry_run(tmp_path, toy(resources={"train": {"nodes": 2, "gpus": 8, "cpus": 2}}))
+    assert result.returncode != 0 and not (tmp_path / "results").exists()
+    assert error_lines(result) == [
+        "study config: resources.train.cpus: 2, but the train jobs of toy-sft start 8 processes per node (one per "
+        "GPU) as one srun step on 2 nodes, each with a CPU at least, and hold 2 CPUs per node: srun would refuse "
+        "the step, on SLURM after the job's wait in the queue (set resources.train.cpus: 8 or more)"]
+    monkeypatch.chdir(tmp_path)
+    own = toy(models={"toy-sft": {**TOY["models"]["toy-sft"], "resources": {"train": {"nodes": 2, "gpus": 4}}}},
+              resources={"train": {"tasks": 2}})  # 2 tasks of 1 CPU per node for 4 processes
+    with pytest.raises(StudyError, match=r"^models.toy-sft.resources.train.cpus: 1, but .* start 4 processes per "
+                                         r"node .* hold 2 CPUs per node: .*set models.toy-sft.resources.train.cpus: 2"):
+        preflight(load_study(own))
+    for enough in ({"nodes": 2, "gpus": 8, "cpus": 8}, {"nodes": 1, "gpus": 8, "cpus": 2}, {"nodes": 2, "tasks": 4}):
+        preflight(load_study(toy(resources={"train": enough})))  # one node with its GPUs: no srun step
+
+
 # --- the plan ---------------------------------------------------------------------------------------
 
 
@@ -243,7 +264,8 @@ def test_the_plans_job_counts_per_model_follow_resources_and_bundles(tmp_path):
     paper = load_study({**yaml.safe_load((REPO / "workflow" / "config" / "paper.yaml").read_text()),
                         "results": str(tmp_path)})
     groups = {what: count for what, count, _ in job_groups(paper, jobs.plan(paper, record=False))}
-    assert groups == {"prepare": 4, "train, Qwen2.5-7B, Llama-3.1-8B-Instruct": 222,  # 8 GPUs each
+    assert groups == {"prepare": 1, "prepare, fetch_model": 3,  # the audit; a check of each model
+                      "train, Qwen2.5-7B, Llama-3.1-8B-Instruct": 222,  # 8 GPUs each
                       "train, Qwen3-4B-Instruct-2507": 111,  # 4 GPUs
                       "evaluate, Qwen2.5-7B, Llama-3.1-8B-Instruct, Qwen3-4B-Instruct-2507": 666, "track": 1,
                       "report": 1}
@@ -255,6 +277,30 @@ def test_the_plans_job_counts_per_model_follow_resources_and_bundles(tmp_path):
         (tmp_path / "runs" / run.run_id / COMPLETE).write_text("{}")
     toy_groups = {what: count for what, count, _ in job_groups(toy_study, jobs.plan(toy_study, record=False))}
     assert toy_groups == {"prepare": 3, "train, toy-sft": 3, "evaluate, toy-sft": 2, "track": 1, "report": 1}
+
+
+def test_a_fetch_model_job_asks_slurm_for_a_model_check_not_a_prepare_job(tmp_path):
+    """fetch_model only checks that a model loads (its tokenizer; Snakemake's own process fetched it before any
+    job), yet it took the prepare jobs' resources: in paper.yaml a 32 GB, two-hour job per model. The plan and
+    Snakemake's jobs agree on the small job, and the prepare jobs left keep theirs."""
+    paper = yaml.safe_load((REPO / "workflow" / "config" / "paper.yaml").read_text())
+    result = dry_run(tmp_path, paper)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("    prepare, fetch_model: 3 jobs\n      resources cpus 1, mem_mb 2000, runtime 15, gpus 0\n"
+            "      sbatch --cpus-per-task=1 --mem=2000M --time=15\n") in result.stdout
+    assert "    prepare: 1 job\n      resources cpus 4, mem_mb 32000, runtime 120, gpus 0\n" in result.stdout  # audit
+    fetches = [block for block in re.split(r"\n(?=\[)", result.stdout) if "rule fetch_model:" in block]
+    shown = [set(re.search(r"^    resources: (.*)$", block, re.M).group(1).split(", ")) for block in fetches]
+    assert len(shown) == 3 and all({"runtime=15", "mem_mb=2000", "gpu=0"} <= each for each in shown), fetches
+    assert not [block for block in fetches if "threads:" in block]  # one thread: Snakemake does not say it
+    counted = dry_run(tmp_path, paper, "--quiet", "rules")
+    counts = {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", counted.stdout, re.M)}
+    assert planned_jobs(counted.stdout) == snakemake_jobs(counts) and counts["fetch_model"] == 3
+    # a partition, account or QOS set for the prepare jobs is where a fetch_model job may run too
+    lab = {**paper, "resources": {**paper["resources"], "prepare": {**paper["resources"]["prepare"],
+                                                                    "slurm_partition": "cpu", "mem_mb": 1000}}}
+    assert ("    prepare, fetch_model: 3 jobs\n      resources cpus 1, mem_mb 1000, runtime 15, gpus 0, "
+            "slurm_partition cpu\n") in dry_run(tmp_path, lab).stdout  # never more than a prepare job's
 
 
 def test_run_states(tmp_path):

@@ -214,19 +214,19 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(tmp_path, port, *extra, env=None):
-    """A real server on 127.0.0.1, as docs/mlflow_ui.md starts one (without MLflow's job runner, whose 8
-    processes a study never uses); its access log (one line per request) in tmp_path/server.log."""
+def start_server(tmp_path, port, *extra, env=None, host="127.0.0.1"):
+    """A real server on 127.0.0.1 (or `host`), as docs/mlflow_ui.md starts one (without MLflow's job runner,
+    whose 8 processes a study never uses); its access log (one line per request) in tmp_path/server.log."""
     db, artifacts = tmp_path / "server.db", tmp_path / "artifacts"
     env = {**(os.environ if env is None else env), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", str(artifacts), *extra],
         stdout=(tmp_path / "server.log").open("w"), stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as response:
                 if response.status == 200:
                     return process
         except OSError:
@@ -544,6 +544,36 @@ def test_a_server_with_basic_auth_takes_the_credentials_from_mlflows_variables_a
         assert len(runs) == 6 and PASSWORD not in json.dumps(runs)  # params, tags: no credentials
     finally:
         stop_server(process)
+
+
+def test_a_server_that_does_not_allow_the_clients_host_name_says_so_and_how_to_allow_it(tmp_path):
+    """MLflow 3's server answers 403 to a Host header that is neither localhost nor a private IP (its guard
+    against DNS rebinding), as it answers missing credentials; compute nodes reach a login node's server by
+    the node's name. 127.0.0.2 is such a host: the sync stops with one line naming it and `--allowed-hosts`,
+    not the credentials, and with the recipe's `--allowed-hosts NAME:PORT` it goes through."""
+    results = write_study(tmp_path / "results")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
+    for allowed in (False, True):
+        port = free_port()
+        host = f"127.0.0.2:{port}"
+        extra = ["--allowed-hosts", host] if allowed else []
+        (directory := tmp_path / f"allowed-{allowed}").mkdir()
+        process = start_server(directory, port, *extra, host="127.0.0.2")
+        try:
+            done = subprocess.run([sys.executable, "-m", "sweep", "track", "--results", str(results), "--study",
+                                   "hosts", "--uri", f"http://{host}"], capture_output=True, text=True, env=clean,
+                                  timeout=300)
+        finally:
+            stop_server(process)
+        if allowed:
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert json.loads(done.stdout)["runs_created"] == 5
+        else:
+            assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+            assert (f"the tracking server http://{host} does not allow the host name {host} that this client "
+                    f"reaches it by") in done.stderr
+            assert f"mlflow server ... --allowed-hosts {host}" in done.stderr
+            assert "MLFLOW_TRACKING_USERNAME" not in done.stderr
 
 
 def test_credentials_written_into_a_uri_are_never_shown():

@@ -1,6 +1,10 @@
 """Answer extraction, equivalence, countdown scoring, and the hostile-output corpus."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -219,3 +223,55 @@ def test_last_boxed_is_linear_on_long_inputs():
     start = time.monotonic()
     assert last_boxed("\\boxed{" * 20_000) is None
     assert time.monotonic() - start < 5
+
+
+# (response, gold, score): none is decided without math-verify, so every one is a call in the pool
+SLOW_PAIRS = [("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0), ("\\boxed{x^2+1}", "(x+1)^2", 0.0),
+              ("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}", 1.0), ("\\boxed{2\\pi}", "6.28", 0.0),
+              ("\\boxed{\\{3, 1, 2\\}}", "\\{1,2,3\\}", 1.0), ("\\boxed{(0, 1)}", "(0,1]", 0.0),
+              ("\\boxed{\\dfrac{3}{4}}", "\\frac34", 1.0), ("\\boxed{x^2+2x}", "(x+1)^2", 0.0)]
+
+SCORER = f"""
+import json, signal
+from eval.verify import Verifier
+sigterms = []
+signal.signal(signal.SIGTERM, lambda *_: sigterms.append(1))  # the trainer's SigtermFlag: finish the step
+verifier = Verifier(timeout=60.0, workers=2)
+verifier.TARGET = "tests.verify_signal_target:equivalent_slowly"
+scores = verifier.score_many({[(r, g) for r, g, _ in SLOW_PAIRS]!r})
+verifier.close()
+print(json.dumps({{"scores": scores, "sigterms": len(sigterms), "counts": dict(verifier.counts)}}))
+"""
+
+
+def _wait_for(marks: Path, prefix: str, process: subprocess.Popen) -> bool:
+    """Whether a mark starting with `prefix` appeared before the scorer ended (within 120 s)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if any(path.name.startswith(prefix) for path in marks.iterdir()):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("moment", ["starting", "busy"])
+def test_a_sigterm_to_the_process_group_leaves_every_reward_right(tmp_path, moment):
+    """On SLURM a job is stopped by SIGTERM to its whole process group, the verifier's workers included; the
+    trainer finishes its step and checkpoints it, so that step's rewards must all be right: a worker caught
+    while starting (importing sympy) or in the middle of a call must neither die nor fail its calls."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, KLSTUDY_TEST_MARKS=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    scorer = subprocess.Popen([sys.executable, "-c", SCORER], cwd=root, env=env, stdout=subprocess.PIPE,
+                              start_new_session=True)  # a group of its own, as a SLURM job's command
+    try:
+        assert _wait_for(tmp_path, moment, scorer), f"no worker was {moment}"
+        os.killpg(scorer.pid, signal.SIGTERM)
+        out, _ = scorer.communicate(timeout=300)
+    finally:
+        if scorer.poll() is None:
+            os.killpg(scorer.pid, signal.SIGKILL)
+    assert scorer.returncode == 0
+    result = json.loads(out)
+    assert result["sigterms"] == 1
+    assert result["scores"] == [score for _, _, score in SLOW_PAIRS], result["counts"]

@@ -30,14 +30,25 @@ def processes_per_node(gpus: int = 0, tasks: int = 1) -> int:
     return int(gpus) if gpus else max(1, int(tasks))
 
 
+def srun_step(nodes: int = 1, gpus: int = 0, tasks: int = 1, cpus: int = 1) -> tuple[int, int] | None:
+    """(processes per node, CPUs per process) of the SLURM job step a training job of these resources starts
+    (see `job_command`), or None for a job that starts none (one node with its GPUs, or one CPU task). Each
+    process gets an even share of its node's CPUs, and one at least: with fewer CPUs than processes per node
+    the step asks more than its job holds (sweep.study_check refuses such a config)."""
+    nodes, tasks, cpus = int(nodes), max(1, int(tasks)), max(1, int(cpus))
+    if nodes == 1 and (gpus or tasks == 1):
+        return None
+    per_node = processes_per_node(gpus, tasks)
+    return per_node, max(1, tasks * cpus // per_node)
+
+
 def job_command(python: str, nodes: int = 1, gpus: int = 0, tasks: int = 1, cpus: int = 1) -> list[str]:
     """The command of a training job with these resources (`gpus`, `tasks` and `cpus` as SLURM gives them:
     GPUs per node, tasks per node, CPUs per task). One node with its GPUs: `train_command`, as ever.
     Several nodes, or several CPU tasks: `python -m trainer.srun launch`, which starts one process per
-    GPU (or task) of every node as one SLURM job step; each gets an even share of its node's CPUs."""
-    nodes, tasks, cpus = int(nodes), max(1, int(tasks)), max(1, int(cpus))
-    per_node = processes_per_node(gpus, tasks)
-    if nodes == 1 and (gpus or tasks == 1):
-        return train_command(python, per_node)
-    return [python, "-m", "trainer.srun", "launch", "--nodes", str(nodes), "--tasks-per-node", str(per_node),
-            "--cpus-per-task", str(max(1, tasks * cpus // per_node))]
+    GPU (or task) of every node as one SLURM job step (`srun_step`)."""
+    step = srun_step(nodes, gpus, tasks, cpus)
+    if step is None:
+        return train_command(python, processes_per_node(gpus, tasks))
+    return [python, "-m", "trainer.srun", "launch", "--nodes", str(int(nodes)), "--tasks-per-node", str(step[0]),
+            "--cpus-per-task", str(step[1])]

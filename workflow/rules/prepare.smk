@@ -65,6 +65,11 @@ rule import_model:
         "{PY} -m trainer import-gguf {params.source:q} --out {params.out} --ready {output.ready} > {log} 2>&1"
 
 
+from sweep.fetch_job import fetch_model_resources
+
+FETCH_MODEL = fetch_model_resources(STUDY)  # a model check's small job (sweep.fetch_job), not a prepare job's
+
+
 rule fetch_model:
     """A local model directory is checked; a hub model is downloaded into the Hugging Face cache."""
     output:
@@ -75,9 +80,9 @@ rule fetch_model:
         path=lambda wc: STUDY.models[MODELS[wc.model]].path,
     log:
         LOGS / "prepare" / "{model}.log",
-    threads: rule_threads("prepare")
+    threads: FETCH_MODEL["cpus"]
     resources:
-        **rule_resources("prepare"),
+        **{("gpu" if key == "gpus" else key): value for key, value in FETCH_MODEL.items() if key != "cpus"},
     shell:
         "{PY} -m trainer fetch-model --model {params.path:q} --ready {output.ready} > {log} 2>&1"
 
