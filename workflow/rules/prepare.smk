@@ -71,7 +71,8 @@ FETCH_MODEL = fetch_model_resources(STUDY)  # a model check's small job (sweep.f
 
 
 rule fetch_model:
-    """A local model directory is checked; a hub model is downloaded into the Hugging Face cache."""
+    """A local model directory, or a hub model that Snakemake's own process fetched into the Hugging Face cache
+    before any job (sweep.fetch), is checked to load offline: a small job (sweep.fetch_job)."""
     output:
         ready=RESULTS / "models" / "{model}.ready",
     wildcard_constraints:
