@@ -7,6 +7,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from eval.harness import EvalSettings
 
 
 class UsageError(ValueError):
@@ -17,7 +21,7 @@ class UsageError(ValueError):
 class Request:
     """One evaluation: its settings, where it goes, and the file that names its model (or None)."""
 
-    settings: object  # eval.harness.EvalSettings
+    settings: EvalSettings
     out: Path
     model_record: Path | None
 

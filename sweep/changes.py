@@ -85,8 +85,8 @@ class Survey:
 
 
 def _summary(what: str, changes: list[Change], study: Study) -> str:
-    """`3 runs were made with another config than the study gives them now (train.steps: 6 there, 8 now,
-    in results/runs/ID and 2 more)`."""
+    """`3 runs were made otherwise than the study says now (train.steps: 6 there, 8 now; in results/runs/ID
+    and 2 more)`."""
     first = changes[0]
     keys: dict[str, tuple[Any, Any]] = {}
     for change in changes:
