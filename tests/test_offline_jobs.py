@@ -17,7 +17,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 SNAKEMAKE = [*test_workflow.SNAKEMAKE, "--profile", str(REPO / "profiles" / "local"), "--cores", "1"]
-TOY = yaml.safe_load((REPO / "benchmarks" / "slurm_study.yaml").read_text())
+TOY = {**yaml.safe_load((REPO / "benchmarks" / "slurm_study.yaml").read_text()), "results": "results"}
 # Each Python process of a job writes its hub settings (and any token) here: what the job's environment was.
 SPY = textwrap.dedent("""
     import json, os

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 SLURM = ["--profile", str(REPO / "profiles" / "slurm"), "--seconds-between-status-checks", "1",
          "--max-status-checks-per-second", "10", "--latency-wait", "5"]
 
-SMALL = yaml.safe_load((REPO / "benchmarks" / "slurm_study.yaml").read_text())
+SMALL = {**yaml.safe_load((REPO / "benchmarks" / "slurm_study.yaml").read_text()), "results": "results"}
 SMALL_RUNS = ["toy-sft__k1-reward__b0.1__s0", "toy-sft__none__s0"]
 
 

@@ -9,6 +9,8 @@ import subprocess
 import pytest
 from test_workflow import LOCAL, REPO, SNAKEMAKE
 
+from sweep import configfiles
+from sweep.grid import load_study
 from trainer.run_files import read_metrics
 
 CONFIGS = [REPO / "workflow" / "config" / "smol.yaml", REPO / "workflow" / "config" / "smol_cpu.yaml"]
@@ -31,7 +33,8 @@ def test_the_smol_studys_cpu_smoke_variant_runs_end_to_end(smollm2, tmp_path):
         raise
     assert process.returncode == 0, stderr[-5000:]
     results = tmp_path / "results" / "smol-cpu"
-    imported = json.loads((results / "models" / "SmolLM2-135M-Instruct" / "klstudy_import.json").read_text())
+    study = load_study(configfiles.read(CONFIGS))
+    imported = json.loads((tmp_path / study.model_dir("SmolLM2-135M-Instruct") / "klstudy_import.json").read_text())
     assert imported["source"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
     for name in RUNS:
         run = results / "runs" / name
