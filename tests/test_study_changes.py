@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -27,13 +28,14 @@ RUNS = ["toy-sft__k1-reward__b0.1__s0", "toy-sft__k3-reward__b0.1__s0", "toy-sft
 EVALUATIONS = [f"{run}/{where}" for run in RUNS for where in ("step_3/toy", "toy")]
 
 
-def snakemake(directory: Path, *args: str, override: dict | None = None) -> subprocess.CompletedProcess:
+def snakemake(directory: Path, *args: str, override: dict | None = None,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     files = [directory / "study.yaml"]
     if override is not None:
         files.append(directory / "changed.yaml")
         files[-1].write_text(yaml.safe_dump(override))
     return subprocess.run([*SNAKEMAKE, *LOCAL, "--directory", str(directory), "--configfile", *map(str, files), *args],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env=env)
 
 
 def digests(root: Path) -> dict[str, str]:
@@ -167,3 +169,21 @@ def test_the_shipped_studies_have_results_directories_of_their_own():
         study = load_study(configfiles.read(files))
         studies.setdefault(study.results, set()).add(study.name)
     assert all(len(names) == 1 for names in studies.values()), studies
+
+
+def test_the_study_run_cold_as_a_users_jobs_start_gives_the_warm_runs_table(tmp_path, finished_quick_study,
+                                                                              prepared_toy_study):
+    """Every other study of the suite forks its jobs from a warm process (tests/warm_start: the libraries imported,
+    gc frozen). This one starts each job as a user's starts, a fresh interpreter that imports everything: a
+    failure only a cold start has (an import order, a signal during the imports) fails here, and the table is
+    the warm run's, digit for digit."""
+    write_config(tmp_path, STUDY)
+    from_prepared(tmp_path, prepared_toy_study)
+    warm = str(Path(__file__).parent / "warm_start")
+    path = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != warm)
+    cold = {key: value for key, value in os.environ.items() if not key.startswith("KLSTUDY_WARM")}
+    assert warm in os.environ["PYTHONPATH"].split(os.pathsep)  # the suite's jobs start warm, these cannot:
+    done = snakemake(tmp_path, env={**cold, "KLSTUDY_WARM_START": "0", "PYTHONPATH": path})  # no sitecustomize
+    assert done.returncode == 0, done.stderr[-4000:]
+    table = "results/tables/results.md"
+    assert (tmp_path / table).read_text() == (finished_quick_study / table).read_text()
