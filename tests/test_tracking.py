@@ -607,3 +607,55 @@ def test_tracking_down_during_a_training_run_then_a_sync_loses_nothing(warm_mode
         assert sorted(m.step for m in history) == list(range(12))
     finally:
         stop_server(process)
+
+
+def test_the_tracking_server_away_mid_study_loses_and_repeats_nothing(warm_model, tmp_path):
+    """A study with live tracking whose server goes away once its first run has logged steps, and comes back only
+    once every run has finished training (issue 61's fault): the jobs go on without it, the followers and the
+    track job catch up, and MLflow ends with one child per grid point holding each step once."""
+    port = free_port()
+    uri, server_dir = f"http://127.0.0.1:{port}", tmp_path / "server"
+    server_dir.mkdir()
+    server = start_server(server_dir, port)
+    config = json.loads(live_study(tmp_path / "study", warm_model, uri=uri).read_text())
+    config["grid"] = {**config["grid"], "seeds": [0, 1], "baseline": True}
+    config["run"]["train"]["steps"] = 12
+    (tmp_path / "study" / "study.yaml").write_text(json.dumps(config))
+    runs = [tmp_path / "study" / "results" / "runs" / name for name in
+            ("toy__k1-reward__b0.1__s0", "toy__none__s0", "toy__k1-reward__b0.1__s1", "toy__none__s1")]
+    log = (tmp_path / "snakemake.log").open("w")
+    study = subprocess.Popen([*SNAKEMAKE, "--directory", str(tmp_path / "study"), "--configfile",
+                              str(tmp_path / "study" / "study.yaml")], stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not any((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2
+                       for run in runs):
+            assert study.poll() is None and time.monotonic() < deadline, (tmp_path / "snakemake.log").read_text()
+            time.sleep(0.2)
+        stop_server(server)  # away: the runs train on
+        while not all((run / "COMPLETE").exists() for run in runs):
+            assert study.poll() is None and time.monotonic() < deadline, (tmp_path / "snakemake.log").read_text()
+            time.sleep(0.2)
+        away = [len(run.joinpath("metrics.jsonl").read_text().splitlines()) for run in runs]
+        server = start_server(server_dir, port)  # back, before the track job
+        assert study.wait(timeout=600) == 0, (tmp_path / "snakemake.log").read_text()[-5000:]
+    finally:
+        if study.poll() is None:
+            os.killpg(study.pid, signal.SIGKILL)
+        stop_server(server)
+    assert away == [12] * 4  # every run finished training while the server was away
+    followers = "".join(path.read_text() for path in (tmp_path / "study" / "results" / "logs" / "train").glob(
+        "*.track.log"))
+    assert "Connection refused" in followers  # the followers met the outage (and retried, or were ended by their job)
+    server = start_server(server_dir, port)
+    try:
+        children, parents = child_runs(uri, "live-uri")
+        assert len(parents) == 1 and sorted(r.data.tags["klstudy.run_id"] for r in children) == \
+            sorted(run.name for run in runs)
+        for child in children:
+            steps = [m.step for m in client(uri).get_metric_history(child.info.run_id, "reward_mean")]
+            assert sorted(steps) == list(range(12)), (child.data.tags["klstudy.run_id"], steps)  # each step once
+            assert child.info.status == "FINISHED" and "eval/toy/arith/pass_at_1" in child.data.metrics
+    finally:
+        stop_server(server)
