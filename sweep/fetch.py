@@ -25,11 +25,19 @@ def command(files) -> str:
 
 
 def fetch_missing(needs: list[Need], say=print) -> list[Need]:
-    """Fetch each need the cache lacks (saying so through `say`); the ones fetched."""
+    """Fetch each need the cache lacks (saying so through `say`); the ones fetched. A fetch that fails (the hub
+    away mid-way) is one error naming it and what is still missing; what was fetched stays in the cache, and
+    the next fetch takes only what it lacks."""
     missing = [need for need in needs if not cached(need)]
-    for need in missing:
+    for number, need in enumerate(missing):
         say(f"klstudy fetch: {need} ({need.key}) into the Hugging Face cache")
-        (_model if need.kind == "model" else _dataset)(need)
+        try:
+            (_model if need.kind == "model" else _dataset)(need)
+        except FetchError as error:
+            left = missing[number + 1:]
+            still = f"; still missing after it: {', '.join(map(str, left))}" if left else ""
+            raise FetchError(f"{error}{still} ({number} of {len(missing)} fetched and kept: fetch again once the hub "
+                             "answers, and only what the cache lacks is fetched)") from None
     return missing
 
 

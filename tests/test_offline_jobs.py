@@ -7,6 +7,7 @@ nodes > 1 for training where the jobs run on this machine is a config error. Rea
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -150,3 +151,45 @@ def test_a_job_that_reaches_for_the_hub_fails_at_once(hub, tmp_path):
     done = subprocess.run([sys.executable, "-c", "import datasets; datasets.load_dataset('HuggingFaceH4/MATH-500')"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode != 0 and "OfflineModeIsEnabled" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_hub_failing_mid_fetch_is_one_error_and_the_next_fetch_takes_only_what_is_left(hub, tmp_path):
+    """The hub goes away as the fetch begins its second of three data sets (issue 61's fault): one error naming
+    the one that failed and the one still missing; the first stays in the cache, and the next fetch, the hub
+    back, takes the two left and asks the hub nothing of the first."""
+    from hub_server import start
+
+    subsets = ["college_biology", "college_chemistry", "college_physics"]
+    config = study(tmp_path / "study", evaluate={"suites": [f"mmlu_{s}" for s in subsets], "samples": 1,
+                                                 "data": {}})
+    command = [sys.executable, "-m", "sweep", "fetch", "--configfile", str(config)]
+    first = start(tmp_path / "hub-first", hub.mirror)
+    try:
+        fetching = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=with_repo(first.hub.env(tmp_path / "hf")), cwd=tmp_path / "study")
+        said = []
+        for line in fetching.stderr:
+            said.append(line)
+            if line.startswith("klstudy fetch: ") and len([s for s in said if s.startswith("klstudy fetch: ")]) == 2:
+                os.kill(fetching.pid, signal.SIGSTOP)  # held as it begins the second, while the hub goes away
+                first.stop()
+                os.kill(fetching.pid, signal.SIGCONT)
+        assert fetching.wait(timeout=300) != 0
+    finally:
+        first.stop()
+    error = "".join(said)
+    assert ("could not fetch dataset cais/mmlu:college_chemistry" in error and "still missing after it: dataset "
+            "cais/mmlu:college_physics (1 of 3 fetched and kept: fetch again once the hub answers" in error), error
+    again = start(tmp_path / "hub-again", hub.mirror)
+    try:
+        fetched = subprocess.run(command, capture_output=True, text=True, env=with_repo(again.hub.env(tmp_path / "hf")),
+                                 cwd=tmp_path / "study", timeout=300)
+    finally:
+        again.stop()
+    assert fetched.returncode == 0, fetched.stderr[-3000:]
+    assert [line.split(" (")[0] for line in fetched.stderr.splitlines() if line.startswith("klstudy fetch: ")] == \
+        ["klstudy fetch: dataset cais/mmlu:college_chemistry", "klstudy fetch: dataset cais/mmlu:college_physics"]
+    assert "3 hub model(s) and data set(s) cached, 2 fetched now" in fetched.stdout
+    asked = (tmp_path / "hub-again" / "nginx-access.log").read_text()
+    assert "/resolve/" in asked and "college_chemistry/test-" in asked  # what was left was downloaded
+    assert "college_biology/" not in asked  # nothing of the first twice (the data set's tree lists it, that is all)
