@@ -199,9 +199,10 @@ host_addr() { echo "10.87.0.$((10 + $1))"; }
 namespace_exists() { ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$1"; }
 link_exists() { ip link show "$1" >/dev/null 2>&1; }
 
-compute_hosts() {  # the numbers of the compute hosts that exist (a namespace or a veth left), one a line
-    { ip netns list 2>/dev/null | awk '{print $1}'; ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | sed 's/@.*//'; } |
-        sed -n "s/^$COMPUTE\([0-9]\+\)$/\1/p" | sort -nu
+compute_hosts() {  # the numbers of the compute hosts that exist (a namespace, a veth or names left), one a line
+    { ip netns list 2>/dev/null | awk '{print $1}'
+      ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | sed 's/@.*//'
+      ls /etc/netns 2>/dev/null || true; } | sed -n "s/^$COMPUTE\([0-9]\+\)$/\1/p" | sort -nu
 }
 
 make_namespace() {  # make_namespace NAMESPACE LINK ADDRESS/PREFIX: a namespace whose eth0 is LINK's veth peer
@@ -244,16 +245,15 @@ namespace_empty() { [[ -z "$(ip netns pids "$1")" ]]; }
 
 remove_namespace() {  # remove_namespace NAMESPACE LINK: its processes (jobs left by slurmd), its veth pair, its names
     local namespace=$1 link=$2
-    if namespace_exists "$namespace"; then
-        if ! namespace_empty "$namespace"; then
-            # shellcheck disable=SC2046  # one pid a word
-            kill $(ip netns pids "$namespace") 2>/dev/null || true
-            wait_for 15 "the processes of $namespace to end" namespace_empty "$namespace" ||
-                kill -9 $(ip netns pids "$namespace") 2>/dev/null || true
-        fi
-        ip netns delete "$namespace"
+    if namespace_exists "$namespace" && ! namespace_empty "$namespace"; then
+        # shellcheck disable=SC2046  # one pid a word
+        kill $(ip netns pids "$namespace") 2>/dev/null || true
+        wait_for 15 "the processes of $namespace to end" namespace_empty "$namespace" ||
+            kill -9 $(ip netns pids "$namespace") 2>/dev/null || true
     fi
+    # The pair first: deleting the namespace deletes it too, but a moment later, under a later `ip link delete`.
     if link_exists "$link"; then ip link delete "$link"; fi
+    if namespace_exists "$namespace"; then ip netns delete "$namespace"; fi
     rm -rf "/etc/netns/$namespace"
 }
 
