@@ -26,9 +26,10 @@
 #   where the hub is: a veth pair straight to the login host on a /30 of its own, not on the bridge, so
 #   the login host reaches it and the compute hosts cannot. Nothing runs there until a test or a user
 #   starts a server in it (`ip netns exec klstudy-outside ...`).
-# - Names: `ip netns exec` mounts /etc/netns/<namespace>/hosts over /etc/hosts, so a compute host
-#   resolves the login host and the compute hosts, and not the outside host; the login host resolves
-#   every name from a block of /etc/hosts between two marker lines, which `down` removes.
+# - Names: each namespace's /etc/netns/<namespace>/hosts, which `ip netns exec` mounts over /etc/hosts
+#   (and this script for slurmd, start_host_slurmd), so a compute host resolves the login host and the
+#   compute hosts, and not the outside host; the login host resolves every name from a block of
+#   /etc/hosts between two marker lines, which `down` removes.
 # - The file system is shared, as a cluster's is: the repository, the results and munge's socket (a
 #   path, so every slurmd reaches the one munged) are the same on every host.
 # - Each compute host advertises the machine's CPUs, as a real node advertises its cores (the hosts
