@@ -78,10 +78,11 @@ def pytest_unconfigure(config):
     shutil.rmtree(directory, ignore_errors=True)
 
 
-# The files whose tests run on the one-node SLURM cluster (the `slurm` fixture). `make test` spreads the suite
-# over two processes (pytest-xdist); these files share one of them and run one test at a time, for the node
-# has two CPUs, and a study whose jobs queued behind another test's would run into its timeouts.
-CLUSTER_FILES = {"test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.py"}
+# The files whose tests run on the local SLURM cluster (the `slurm` fixture; test_cluster_hosts.py restarts it as
+# a cluster of hosts, and back). `make test` spreads the suite over two processes (pytest-xdist); these files share
+# one of them and run one test at a time, for the node has two CPUs, and a study whose jobs queued behind another
+# test's would run into its timeouts.
+CLUSTER_FILES = {"test_cluster_hosts.py", "test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.py"}
 
 
 # The files whose tests share a fixture that is slow to build (an MLflow server over a synced study, the rollout
@@ -94,11 +95,13 @@ TOGETHER_FILES = {"test_mlflow_ui.py", "test_rollout_contract.py", "test_smollm2
 # The files whose tests take the longest, longest first (one run of today's tests on 2 cores: the cluster's 510 s,
 # the SmolLM2 study 188 s, ... the distributed runs 56 s). Their tests are collected first, in this order, and
 # handed out first: the two processes then end together, on short tests, where one of them used to run the
-# last studies alone for 100 s. A file missing here only goes out later.
-LONGEST_FIRST = ("test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.py", "test_smollm2_study.py",
-                 "test_smollm2_rollout.py", "test_smollm2_pipeline.py", "test_hub_server.py", "test_mlflow_ui.py",
-                 "test_vllm_training.py", "test_workflow.py", "test_doc_commands.py", "test_tracking.py",
-                 "test_rollout_contract.py", "test_distributed.py")
+# last studies alone for 100 s. A file missing here only goes out later. test_cluster_hosts.py (about a minute)
+# is first of the cluster's files, which go out together whatever their order: it restarts the cluster as three
+# hosts and gives the one-node cluster back, and the others then check that it did.
+LONGEST_FIRST = ("test_cluster_hosts.py", "test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.py",
+                 "test_smollm2_study.py", "test_smollm2_rollout.py", "test_smollm2_pipeline.py", "test_hub_server.py",
+                 "test_mlflow_ui.py", "test_vllm_training.py", "test_workflow.py", "test_doc_commands.py",
+                 "test_tracking.py", "test_rollout_contract.py", "test_distributed.py")
 
 
 def pytest_collection_modifyitems(items):
