@@ -1,8 +1,10 @@
 """Micro-batches, gradient checkpointing and several processes make the update one process makes."""
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -12,6 +14,7 @@ from run_helpers import TOY_RUN, command, metrics, objective, overrides, train_c
 from safetensors.torch import load_file
 
 from trainer import config as run_config
+from trainer.launch import train_command
 from trainer.model.models import load_model
 from trainer.run import TIMING_KEYS, Run
 
@@ -167,3 +170,25 @@ def test_a_bad_run_directory_stops_every_process_with_the_error(warm_model, tmp_
     done = train_cli(out, warm_model, 2, 300, RUN)
     assert done.returncode != 0
     assert done.stderr.count("holds a run with a different config (train.lr)") == 2
+
+
+def test_two_runs_in_one_pair_of_processes_each_train_as_they_would_alone(warm_model, tmp_path):
+    """A training job of several processes and a bundle of runs (`train-runs`, the study's bundle.train): the
+    processes join their group once and keep it from one run to the next. Re-joining it for the second run
+    hung: rank 0 waited to re-form the group while rank 1 went on in the old one (the paper rehearsal across
+    two hosts found it)."""
+    plan = {str(tmp_path / name): _overrides(warm_model, **{"train.seed": seed}) for name, seed in (("a", 1), ("b", 2))}
+    job = subprocess.Popen([*train_command(sys.executable, 2), "train-runs", "--plan", json.dumps(plan)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = job.communicate(timeout=300)  # two runs of two steps: under a minute
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)  # the launcher and both ranks
+        pytest.fail(f"two runs in one pair of processes hung: {job.communicate()[1][-3000:]}")
+    assert job.returncode == 0, stderr[-3000:]
+    assert stderr.count("process 0 of 2") == stderr.count("process 1 of 2") == 1  # joined once
+    alone = train_cli(tmp_path / "b-alone", warm_model, 2, 600, RUN, **{"train.seed": 2})
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    drop = {*TIMING_KEYS, "measure_time"}
+    assert [{k: v for k, v in m.items() if k not in drop} for m in metrics(tmp_path / "b")] == \
+        [{k: v for k, v in m.items() if k not in drop} for m in metrics(tmp_path / "b-alone")]

@@ -4,6 +4,7 @@ fetch-model|train|train-runs ...`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -262,15 +263,18 @@ def _train_runs_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_train_runs(args: argparse.Namespace) -> int:
+    from trainer.distributed import World
     from trainer.run import EXIT_PREEMPTED, SigtermFlag, TrainingError, train
 
     configs = _run_configs(args.run) if args.run else _plan_configs(args.plan)
     failed = []
-    with SigtermFlag() as sigterm:  # one for every run: after a SIGTERM, no run starts
+    # one flag for every run (after a SIGTERM, no run starts), one process group (joined once, by the first)
+    with SigtermFlag() as sigterm, contextlib.closing(World.from_environment(
+            next(iter(configs.values())).model.device)) as world:
         for number, (out, config) in enumerate(configs.items(), start=1):
             log.info("run %d of %d: %s", number, len(configs), out)
             try:
-                if train(config, out, sigterm) == EXIT_PREEMPTED:
+                if train(config, out, sigterm, world) == EXIT_PREEMPTED:
                     return EXIT_PREEMPTED
             except Exception as error:  # noqa: BLE001 - one run's failure (recorded in its FAILED) stops no other
                 log.error("%s: %s", out, error if isinstance(error, (ValueError, TrainingError)) else repr(error))

@@ -203,9 +203,11 @@ class Run:
         self.world.barrier()
 
 
-def train(config: RunConfig, out_dir: Path, sigterm: SigtermFlag | None = None) -> int:
-    """Run, resume or skip (if complete) the run in `out_dir`; the process exit status. `sigterm`: the
-    flag of a process that trains several runs (else the run holds its own).
+def train(config: RunConfig, out_dir: Path, sigterm: SigtermFlag | None = None, world: World | None = None) -> int:
+    """Run, resume or skip (if complete) the run in `out_dir`; the process exit status. `sigterm` and `world`:
+    the flag and the process group of a process that trains several runs (else the run holds its own). A
+    process joins its group once: joined again for a second run, rank 0 waited to re-form it while the others
+    went on in the old one.
 
     A finished run is left exactly as it is: nothing in it is opened for writing. A run that fails
     records why in FAILED (trainer.run_files), with its log, `train.log`, which every attempt appends
@@ -216,7 +218,8 @@ def train(config: RunConfig, out_dir: Path, sigterm: SigtermFlag | None = None) 
         return 0
     # from the start: a SIGTERM during loading also ends in a clean exit
     with contextlib.nullcontext(sigterm) if sigterm is not None else SigtermFlag() as sigterm:
-        world = World.from_environment(config.model.device)
+        own_world = world is None
+        world = World.from_environment(config.model.device) if own_world else world
         run, trained = None, False
         try:
             if sigterm.reached_any(world):  # during an earlier run of this process: this one waits
@@ -244,5 +247,6 @@ def train(config: RunConfig, out_dir: Path, sigterm: SigtermFlag | None = None) 
         finally:
             if run is not None:
                 run.release()
-            world.close()
+            if own_world:
+                world.close()
     return 0
