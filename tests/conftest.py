@@ -58,6 +58,15 @@ def pytest_configure(config):
         os.environ.setdefault(name, tempfile.gettempdir())
 
 
+def cold_environment(env: dict[str, str]) -> dict[str, str]:
+    """`env` for processes that start as a user's jobs start, each a fresh interpreter that imports everything
+    itself: no warm start (its sitecustomize off PYTHONPATH, its variables gone). Also for jobs on another host
+    (a namespace of profiles/slurm/local-cluster.sh up --hosts), which a zygote on this host must not run."""
+    path = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(WARM_START))
+    cold = {key: value for key, value in env.items() if not key.startswith("KLSTUDY_WARM")}
+    return {**cold, "KLSTUDY_WARM_START": "0", "PYTHONPATH": path}
+
+
 def start_warm_broker(directory: str) -> bool:
     """Starts the process that starts the zygotes of `directory`, outside of every job; whether it listens."""
     with open(os.path.join(directory, "broker.log"), "ab") as log:
@@ -82,7 +91,7 @@ def pytest_unconfigure(config):
 # a cluster of hosts, and back). `make test` spreads the suite over two processes (pytest-xdist); these files share
 # one of them and run one test at a time, for the node has two CPUs, and a study whose jobs queued behind another
 # test's would run into its timeouts.
-CLUSTER_FILES = {"test_cluster_hosts.py", "test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.py"}
+CLUSTER_FILES = {"test_cluster_hosts.py", "test_slurm.py", "test_study_heals.py"}
 
 
 # The files whose tests share a fixture that is slow to build (an MLflow server over a synced study, the rollout
@@ -95,11 +104,12 @@ TOGETHER_FILES = {"test_mlflow_ui.py", "test_rollout_contract.py", "test_smollm2
 # The files whose tests take the longest, longest first (one run of today's tests on 2 cores: the cluster's 510 s,
 # the SmolLM2 study 188 s, ... the distributed runs 56 s). Their tests are collected first, in this order, and
 # handed out first: the two processes then end together, on short tests, where one of them used to run the
-# last studies alone for 100 s. A file missing here only goes out later. test_cluster_hosts.py (about a minute)
-# is first of the cluster's files, which go out together whatever their order: it restarts the cluster as three
-# hosts and gives the one-node cluster back, and the others then check that it did.
-LONGEST_FIRST = ("test_cluster_hosts.py", "test_slurm.py", "test_study_heals.py", "test_paper_rehearsal.py",
-                 "test_smollm2_study.py", "test_smollm2_rollout.py", "test_smollm2_pipeline.py", "test_hub_server.py",
+# last studies alone for 100 s. A file missing here only goes out later. test_cluster_hosts.py (the paper
+# rehearsal and a cluster's faults across three hosts) is first of the cluster's files, which go out together
+# whatever their order: it restarts the cluster as three hosts and gives the one-node cluster back, and the
+# others then check that it did.
+LONGEST_FIRST = ("test_cluster_hosts.py", "test_slurm.py", "test_study_heals.py", "test_smollm2_study.py",
+                 "test_smollm2_rollout.py", "test_smollm2_pipeline.py", "test_hub_server.py",
                  "test_mlflow_ui.py", "test_vllm_training.py", "test_workflow.py", "test_doc_commands.py",
                  "test_tracking.py", "test_rollout_contract.py", "test_distributed.py")
 

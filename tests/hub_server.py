@@ -25,6 +25,7 @@ import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,20 +62,20 @@ class Hub:
         hub, datasets and lm-eval caches go), and no network but 127.0.0.1 (`no_network`). `offline`:
         HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1 as on a compute node, and HF_ENDPOINT a port where
         nothing listens."""
-        env = no_network(os.environ if base is None else base)
+        env = no_network(os.environ if base is None else base, urllib.parse.urlsplit(self.endpoint).hostname)
         env.update(HF_ENDPOINT=NO_NETWORK if offline else self.endpoint, HF_HOME=str(hf_home))
         if offline:
             env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
         return env
 
 
-def no_network(base: dict[str, str]) -> dict[str, str]:
-    """`base` without HF_* settings or tokens, and with every request that is not to 127.0.0.1 sent to
-    a proxy where nothing listens, so that it fails at once."""
+def no_network(base: dict[str, str], *hosts: str) -> dict[str, str]:
+    """`base` without HF_* settings or tokens, and with every request that is not to 127.0.0.1 (or one of
+    `hosts`) sent to a proxy where nothing listens, so that it fails at once."""
     env = {k: v for k, v in base.items() if not k.startswith(("HF_", "HUGGING_FACE_"))}
     for name in ("http_proxy", "https_proxy", "all_proxy"):
         env[name] = env[name.upper()] = NO_NETWORK
-    env["no_proxy"] = env["NO_PROXY"] = "127.0.0.1,localhost"
+    env["no_proxy"] = env["NO_PROXY"] = ",".join(dict.fromkeys(["127.0.0.1", "localhost", *hosts]))
     return env
 
 
@@ -121,15 +122,15 @@ def _seed_olah_cache(repos: Path, mirror: Path, served: dict[str, str]) -> None:
         (revision / "meta_head.json").write_text(json.dumps({"sha": sha, "lastModified": date}))
 
 
-def _olah_config(work: Path, port: int, mirror: Path) -> Path:
+def _olah_config(work: Path, address: str, port: int, mirror: Path) -> Path:
     config = work / "olah.toml"
     config.write_text(
-        f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{work / "repos"}"\n'
+        f'[basic]\nhost = "{address}"\nport = {port}\nrepos-path = "{work / "repos"}"\n'
         f'mirrors-path = ["{mirror}"]\n\n[accessibility]\noffline = true\n')
     return config
 
 
-def _nginx_config(work: Path, port: int, olah_port: int, gated_id: str) -> Path:
+def _nginx_config(work: Path, address: str, port: int, olah_port: int, gated_id: str) -> Path:
     """nginx on `port` in front of olah; the gated repository's paths (/api/models/ID/..., /ID/resolve/...,
     /models/ID/...) need `Authorization: Bearer GATED_TOKEN`: none is 401, another 403, each with the
     X-Error-Code the hub sends for a gated repository (GatedRepo), so that clients name the cause."""
@@ -149,7 +150,7 @@ http {{
     map $http_authorization $gated_status {{ "Bearer {GATED_TOKEN}" 200; "" 401; default 403; }}
     map $gated_status $gated_code {{ 200 ""; default GatedRepo; }}
     server {{
-        listen 127.0.0.1:{port};
+        listen {address}:{port};
         proxy_http_version 1.1;
         proxy_set_header Host $http_host;
         proxy_buffering off;
@@ -158,9 +159,9 @@ http {{
             add_header X-Error-Code $gated_code always;
             if ($gated_status = 401) {{ return 401 "{message}\\n"; }}
             if ($gated_status = 403) {{ return 403 "{message}: that token is not it\\n"; }}
-            proxy_pass http://127.0.0.1:{olah_port};
+            proxy_pass http://{address}:{olah_port};
         }}
-        location / {{ proxy_pass http://127.0.0.1:{olah_port}; }}
+        location / {{ proxy_pass http://{address}:{olah_port}; }}
     }}
 }}
 """)
@@ -215,38 +216,55 @@ class Running:
             _stop(process)
 
 
-def start(work: Path, mirror: Path) -> Running:
-    """olah (offline, serving `mirror`) and nginx in front of it, on free ports of 127.0.0.1; returns
-    once both answer. Their logs and olah's cache go to `work`."""
+def start(work: Path, mirror: Path, address: str = "127.0.0.1", namespace: str | None = None,
+          name: str | None = None, port: int | None = None) -> Running:
+    """olah (offline, serving `mirror`) and nginx in front of it, on free ports of `address` (nginx on `port` if
+    given); returns once both answer. Their logs and olah's cache go to `work`. `namespace`: both run in that
+    network namespace (the outside host of a cluster of hosts, profiles/slurm/local-cluster.sh), which this
+    process reaches at `address`; clients then name the hub `name`."""
     work.mkdir(parents=True, exist_ok=True)
     served = commits(mirror)
     _seed_olah_cache(work / "repos", mirror, served)
-    olah_port, port = free_port(), free_port()
+    olah_port, port = free_port(), port or free_port()
     env = {**no_network(dict(os.environ)), "PYTHONUNBUFFERED": "1"}
+    inside = ["ip", "netns", "exec", namespace] if namespace else []
     processes = []
     probe = f"api/models/{MODEL_ID}/revision/main"
     try:
-        olah = [str(OLAH), "--config", str(_olah_config(work, olah_port, mirror)), "--log-path", str(work / "logs")]
+        olah = [*inside, str(OLAH), "--config", str(_olah_config(work, address, olah_port, mirror)),
+                "--log-path", str(work / "logs")]
         processes.append(_spawn(olah, work / "olah.log", env, work))
-        _wait(f"http://127.0.0.1:{olah_port}/{probe}", processes[0], work / "olah.log", "olah")
-        nginx = [NGINX, "-p", str(work), "-c", str(_nginx_config(work, port, olah_port, GATED_ID)),
+        _wait(f"http://{address}:{olah_port}/{probe}", processes[0], work / "olah.log", "olah")
+        nginx = [*inside, NGINX, "-p", str(work), "-c", str(_nginx_config(work, address, port, olah_port, GATED_ID)),
                  "-e", str(work / "nginx-error.log")]
         processes.append(_spawn(nginx, work / "nginx.log", env, work))
-        _wait(f"http://127.0.0.1:{port}/{probe}", processes[1], work / "nginx-error.log", "nginx")
+        _wait(f"http://{address}:{port}/{probe}", processes[1], work / "nginx-error.log", "nginx")
     except BaseException:
         for process in reversed(processes):
             _stop(process)
         raise
-    return Running(Hub(f"http://127.0.0.1:{port}", mirror, served, logs=work), processes)
+    return Running(Hub(f"http://{name or address}:{port}", mirror, served, logs=work), processes)
 
 
-if __name__ == "__main__":  # a hub for a rehearsal by hand: python tests/hub_server.py DIR
+OUTSIDE = {"address": "10.87.1.2", "namespace": "klstudy-outside", "name": "klstudy-hub"}  # local-cluster.sh's
+
+
+if __name__ == "__main__":  # a hub for a rehearsal by hand: python tests/hub_server.py [--outside] [--port N] DIR
+    import argparse
     import sys
 
     from hub_mirror import mirror_tree
     from smollm2_required import require_smollm2
 
-    running = start(Path(sys.argv[1]).resolve(), mirror_tree(require_smollm2()))
+    parser = argparse.ArgumentParser(description="The test hub (olah behind nginx), serving SmolLM2-135M-Instruct "
+                                     "as the paper's models and the paper's data sets, until Ctrl-C or SIGTERM.")
+    parser.add_argument("directory", type=Path, help="its logs and olah's cache")
+    parser.add_argument("--outside", action="store_true", help="on the outside host of profiles/slurm/"
+                        "local-cluster.sh up --hosts N (klstudy-hub), not on 127.0.0.1")
+    parser.add_argument("--port", type=int, help="nginx's port (default: a free one)")
+    args = parser.parse_args()
+    running = start(args.directory.resolve(), mirror_tree(require_smollm2()), port=args.port,
+                    **(OUTSIDE if args.outside else {}))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop both servers on kill too
     print(f"HF_ENDPOINT={running.hub.endpoint}  (gated {GATED_ID}: HF_TOKEN={GATED_TOKEN}); Ctrl-C stops it",
           flush=True)

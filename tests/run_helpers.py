@@ -139,3 +139,30 @@ def default_sigint() -> None:
     SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the child would not stop."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+
+
+def assert_trains_as_one_process(one: Path, many: Path, config_file: Path, model: Path) -> tuple[float, float]:
+    """The run in `many` (several processes: tasks or nodes) logged what the run in `one` (one process, the same
+    config file) did, step by step: each statistic equal to 1e-4, or both within the rounding of 0
+    (rounding.statistic_rounding of `model`, the directory of the run's model). Returns (the largest loss gap,
+    the rounding floor)."""
+    import yaml
+    from rounding import assert_same_statistic, statistic_rounding
+
+    from trainer.model.models import load_model
+    from trainer.run import TIMING_KEYS
+    from trainer.run_files import read_metrics
+
+    run_config = yaml.safe_load(config_file.read_text())
+    floor = statistic_rounding(load_model(str(model)), {
+        "train.prompts_per_step": run_config["train"]["prompts_per_step"],
+        "train.group_size": run_config["train"]["group_size"],
+        "rollout.max_new_tokens": run_config["rollout"]["max_new_tokens"]})
+    a, b = ([{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in read_metrics(run / "metrics.jsonl")]
+            for run in (one, many))
+    assert [m["step"] for m in b] == [m["step"] for m in a] == list(range(run_config["train"]["steps"]))
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert_same_statistic(f"step {x['step']}: {key}", x[key], y[key], 1e-4, floor)
+    return max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)), floor

@@ -44,7 +44,8 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]  # the generated reference pages are not files
 PACKAGES = ("trainer", "eval", "sweep")
-SHELL = {"export", "cat", "chmod", "ssh", "rm", ".", "source", "cd", "ls", "nvidia-cuda-mps-control"}
+SHELL = {"export", "cat", "chmod", "ssh", "rm", ".", "source", "cd", "ls", "mkdir", "test", "nvidia-cuda-mps-control",
+         "chromium"}
 
 
 def _usage_tokens(words: list[str]) -> list[list[str]]:
@@ -67,10 +68,10 @@ def _usage_tokens(words: list[str]) -> list[list[str]]:
 
 
 def _program_words(words: list[str]) -> list[str]:
-    """Without leading VAR=value assignments."""
+    """Without leading VAR=value assignments, nor a trailing `&` (a server left running)."""
     while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
         words = words[1:]
-    return words
+    return words[:-1] if words and words[-1] == "&" else words
 
 
 def _commands(words: list[str], kind: str) -> list[list[str]]:

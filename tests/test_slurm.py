@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import submitit
 import yaml
-from run_helpers import default_sigint
+from run_helpers import assert_trains_as_one_process, default_sigint
 from test_workflow import SNAKEMAKE
 
 from snakemake_executor_plugin_submitit.command import JobCommand, live_stat
@@ -376,10 +376,7 @@ def test_two_slurm_tasks_train_as_one_process_does(slurm, tmp_path):
     """resources.train {tasks: 2}: the training job's command (Snakemake's) runs once, and starts the two
     training processes as one srun step (trainer.srun: gloo, FSDP2), the code path of a job of two nodes,
     whose srun spans both. Their losses and final weights are one process's on the same batches."""
-    from rounding import assert_same_statistic, statistic_rounding
     from safetensors.torch import load_file
-
-    from trainer.model.models import load_model
 
     config = json.loads(json.dumps(SMALL))
     config["grid"]["baseline"] = False
@@ -414,22 +411,12 @@ def test_two_slurm_tasks_train_as_one_process_does(slurm, tmp_path):
     alone = subprocess.run([sys.executable, "-m", "trainer", "train", "--config", str(config_file), "--out", str(one)],
                            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert alone.returncode == 0, alone.stderr[-3000:]
-    run_config = yaml.safe_load(config_file.read_text())
-    floor = statistic_rounding(load_model(str(tmp_path / run_config["model"]["path"])), {
-        "train.prompts_per_step": run_config["train"]["prompts_per_step"],
-        "train.group_size": run_config["train"]["group_size"],
-        "rollout.max_new_tokens": run_config["rollout"]["max_new_tokens"]})
-    a, b = comparable(one), comparable(run)
-    assert [m["step"] for m in b] == list(range(steps))
-    for x, y in zip(a, b, strict=True):
-        assert x.keys() == y.keys()
-        for key in x:
-            assert_same_statistic(f"step {x['step']}: {key}", x[key], y[key], 1e-4, floor)
+    model = tmp_path / yaml.safe_load(config_file.read_text())["model"]["path"]  # the study's prepared model
+    loss_gap, floor = assert_trains_as_one_process(one, run, config_file, model)
     weights = [load_file(r / "final" / "model.safetensors") for r in (one, run)]
     gaps = {key: float((weights[0][key] - weights[1][key]).abs().max()) for key in weights[0]}
     # (the two processes also write lm_head.weight, which the one process leaves to its tie)
     assert weights[0].keys() <= weights[1].keys() and max(gaps.values()) <= 0.01 * steps * lr, gaps
-    loss_gap = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True))
     print(f"\ntwo SLURM tasks vs one process: loss differs by at most {loss_gap:.3g} (noise floor {floor:.3g}), "
           f"weights by at most {max(gaps.values()):.3g} (bound {0.01 * steps * lr:.3g}); study {study_s:.1f} s")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import built_once
+from conftest import WARM_START, built_once, cold_environment
 from test_workflow import LOCAL, SNAKEMAKE, from_prepared, write_config
 
 from trainer.run_files import COMPLETE
@@ -159,13 +159,14 @@ def test_the_shipped_studies_have_results_directories_of_their_own():
     from sweep.grid import load_study
 
     config = REPO / "workflow" / "config"
-    grown = {"toy_seeds.yaml": "toy.yaml", "toy_betas.yaml": "toy.yaml", "toy_quick_seed1.yaml": "toy_quick.yaml",
-             "smol_cpu.yaml": "smol.yaml", "smol_mps.yaml": "smol.yaml", "paper_cpu.yaml": "paper.yaml"}
+    grown = {"toy_seeds.yaml": ["toy.yaml"], "toy_betas.yaml": ["toy.yaml"], "toy_quick_seed1.yaml": ["toy_quick.yaml"],
+             "smol_cpu.yaml": ["smol.yaml"], "smol_mps.yaml": ["smol.yaml"], "paper_cpu.yaml": ["paper.yaml"],
+             "paper_cpu_hosts.yaml": ["paper.yaml", "paper_cpu.yaml"]}
     studies = {}
     for path in sorted(config.glob("*.yaml")):
         if path.name == "schema.yaml":
             continue
-        files = [config / grown[path.name], path] if path.name in grown else [path]
+        files = [*(config / base for base in grown.get(path.name, [])), path]
         study = load_study(configfiles.read(files))
         studies.setdefault(study.results, set()).add(study.name)
     assert all(len(names) == 1 for names in studies.values()), studies
@@ -179,11 +180,8 @@ def test_the_study_run_cold_as_a_users_jobs_start_gives_the_warm_runs_table(tmp_
     the warm run's, digit for digit."""
     write_config(tmp_path, STUDY)
     from_prepared(tmp_path, prepared_toy_study)
-    warm = str(Path(__file__).parent / "warm_start")
-    path = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != warm)
-    cold = {key: value for key, value in os.environ.items() if not key.startswith("KLSTUDY_WARM")}
-    assert warm in os.environ["PYTHONPATH"].split(os.pathsep)  # the suite's jobs start warm, these cannot:
-    done = snakemake(tmp_path, env={**cold, "KLSTUDY_WARM_START": "0", "PYTHONPATH": path})  # no sitecustomize
+    assert str(WARM_START) in os.environ["PYTHONPATH"].split(os.pathsep)  # the suite's jobs start warm, these not:
+    done = snakemake(tmp_path, env=cold_environment(dict(os.environ)))
     assert done.returncode == 0, done.stderr[-4000:]
     table = "results/tables/results.md"
     assert (tmp_path / table).read_text() == (finished_quick_study / table).read_text()
