@@ -13,7 +13,7 @@ from snakemake_interface_executor_plugins.executors.base import SubmittedJobInfo
 from snakemake_interface_executor_plugins.executors.remote import RemoteExecutor
 from snakemake_interface_executor_plugins.jobs import JobExecutorInterface
 
-from snakemake_executor_plugin_submitit import adopt
+from snakemake_executor_plugin_submitit import adopt, requeue
 from snakemake_executor_plugin_submitit.command import JobCommand
 from snakemake_executor_plugin_submitit.launch import submitit_python
 from snakemake_executor_plugin_submitit.resources import command_step, signature, slurm_parameters
@@ -59,6 +59,7 @@ class Executor(RemoteExecutor):
         # jobs out of its own list while a status check runs, so a Ctrl-C then would cancel none of them.
         self.unfinished: dict[str, submitit.SlurmJob] = {}
         self.sacct = SacctWatch.attach()  # submitit only logs sacct's failures at its own logger
+        self.requeued: set[str] = set()  # jobs SLURM requeued after their node failed (said once each)
 
     # --- submission ----------------------------------------------------------------------------
 
@@ -134,6 +135,13 @@ class Executor(RemoteExecutor):
         for info in active_jobs:
             handle: submitit.SlurmJob = info.aux["submitit"]
             state = (handle.get_info(mode="cache").get("State") or "UNKNOWN").split()[0].upper()
+            if state in requeue.AFTER_NODE_FAILURE and (now := requeue.requeued(handle.job_id)):
+                if handle.job_id not in self.requeued:
+                    self.requeued.add(handle.job_id)
+                    self.logger.info(f"SLURM job {handle.job_id} ({info.job.name}): its node failed, and SLURM "
+                                     f"requeued it ({now}): it runs again (a training job from its last checkpoint)")
+                yield info
+                continue
             if state in SUCCESS | FAILURE:
                 self.unfinished.pop(handle.job_id, None)
             if state in SUCCESS:

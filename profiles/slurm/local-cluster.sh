@@ -99,11 +99,12 @@ install_packages() {
 # What differs between the one node on localhost and a cluster of hosts: slurmctld's address, one
 # slurmd per host (its pid file, spool directory and log named after its node: %n), and the nodes.
 slurm_conf() {
-    local title=" a one-node cluster on localhost." controller=localhost slurmd=slurmd
+    local title=" a one-node cluster on localhost." controller=localhost slurmd=slurmd slurmd_timeout=300
     if ((HOSTS)); then
         title=" a login host and $HOSTS compute hosts (up --hosts $HOSTS)."
         controller="localhost($LOGIN_ADDR)"
         slurmd="slurmd-%n"
+        slurmd_timeout=20
     fi
     cat <<EOF
 # Written by profiles/slurm/local-cluster.sh:$title
@@ -133,6 +134,9 @@ SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=1000
 JobRequeue=1
 ReturnToService=2
+# A node whose slurmd has not answered for this long is DOWN, and its batch jobs are requeued on another
+# (SLURM's default, 300 s, kept for the one node; a compute host that dies is noticed within 20-30 s).
+SlurmdTimeout=$slurmd_timeout
 KillWait=10
 MinJobAge=300
 InactiveLimit=0
