@@ -1,7 +1,12 @@
 """A cluster of hosts on this machine (profiles/slurm/local-cluster.sh up --hosts 3): three compute hosts, each
 a network namespace with its own hostname, address and slurmd, that reach the login host by its name and
 nothing beyond their bridge; an outside host that only the login host reaches; and `up` and `down` that
-take it all away again.
+take it all away again. On it, as on a cluster whose jobs start cold on other machines:
+- the paper study's rehearsal as docs/guides/slurm.md's recipe says: the hub on the outside host, MLflow by
+  the login host's name, one model's training over two hosts, the runs page in Chromium by name;
+- a training job over two hosts against one process, step by step;
+- a cluster's faults: a compute host that dies mid-training, and SLURM's SIGTERM to every process of a job
+  while its verifier's workers start or score.
 
 The module's fixture brings up three hosts and, at the end, gives back the cluster it found: the one-host
 cluster up if it was up (CI runs the suite with it), or nothing. Needs root, `ip`, `unshare`, `nsenter`
@@ -13,7 +18,10 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +31,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import cluster_up, on_cluster
+import yaml
+from conftest import cluster_up, cold_environment, on_cluster
+from hub_mirror import MODEL_ID
+from run_helpers import assert_trains_as_one_process
+from test_paper_rehearsal import MODELS, paper_cpu
+from test_workflow import SNAKEMAKE
+
+from trainer.run_files import COMPLETE, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -206,6 +221,367 @@ def test_the_login_host_reaches_the_outside_host_by_name(hosts, outside_server):
     with no_proxy().open(f"http://{OUTSIDE_NAME}:{outside_server}/", timeout=10) as answer:
         assert answer.status == 200
 
+
+# --- the paper rehearsal across the hosts --------------------------------------------------------------------
+
+GUIDE = REPO / "docs" / "guides" / "slurm.md"
+RECIPE_MARKER = "<!-- recipe: the rehearsal across hosts -->"
+TWO_NODE_MODEL = "Qwen2.5-7B"  # paper_cpu_hosts.yaml: its training spans two nodes
+
+
+def recipe() -> list[str]:
+    """The lines of docs/guides/slurm.md's rehearsal across hosts."""
+    text = GUIDE.read_text()
+    block = re.match(r"```bash\n(.*?)^```", text[text.index(RECIPE_MARKER) + len(RECIPE_MARKER) + 1:], re.M | re.S)
+    return block.group(1).splitlines()
+
+
+def words(line: str) -> list[str]:
+    """A recipe line's words, a trailing `&` (a server left running) dropped."""
+    found = shlex.split(line)
+    return found[:-1] if found[-1] == "&" else found
+
+
+def started_as_written(command: list[str], cwd: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A server of the recipe, as written: its leading VAR=value words its environment, `.venv/bin/X` this
+    interpreter's X, paths of the repository absolute; its output in `log`."""
+    settings = {}
+    while "=" in command[0]:
+        name, value = command.pop(0).split("=", 1)
+        settings[name] = value
+    program, *args = command
+    program = str(Path(sys.executable).parent / Path(program).name) if program.startswith(".venv/") else program
+    args = [str(REPO / a) if (REPO / a).is_file() else a for a in args]
+    with log.open("w") as out:
+        return subprocess.Popen([program, *args], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**env, **settings})
+
+
+def answers(url: str, process: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"{url}'s server exited: {log.read_text()[-3000:]}"
+        try:
+            with no_proxy().open(url, timeout=5):
+                return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"{url} did not answer within {timeout:.0f} s: {log.read_text()[-3000:]}")
+
+
+def stopped(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+def sacct_jobs(since: str) -> list[dict[str, str]]:
+    """Every job and step SLURM accounted since `since` (sacct's time): its id, name, nodes and state."""
+    fields = ["JobID", "JobName", "NNodes", "NodeList", "State"]
+    out = run("sacct", "-n", "-P", "-S", since, "-o", ",".join(fields))
+    return [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines()]
+
+
+def clients_of(server_log: Path) -> set[str]:
+    """The addresses MLflow's server answered requests from (uvicorn's access log: `... INFO: ADDR:PORT - "..."`)."""
+    return set(re.findall(r"INFO:\s+(\d+\.\d+\.\d+\.\d+):\d+ - \"", server_log.read_text()))
+
+
+def test_the_paper_study_at_cpu_size_runs_across_the_hosts_as_the_guide_says(hosts, smollm2, tmp_path):
+    """docs/guides/slurm.md's rehearsal across hosts, its commands as written (in a directory of its own):
+    paper_cpu.yaml, with one model's training over two nodes, through profiles/slurm from the login host.
+    Snakemake's process fetches from the hub on the outside host by name; the jobs, which could not reach it,
+    train and evaluate on the compute hosts and start as a user's start (no warm start: a zygote here would run
+    them on the login host); their followers track to the MLflow server by the login host's name; the
+    two-node training is one process's to rounding; Chromium opens the study's runs by the login host's name."""
+    from browser_required import browser, require_browser
+    from test_tracking import child_runs
+
+    require_browser()  # before the slow part: skip (or fail in CI) at once
+    up, data, hub_line, server_line, export_line, snakemake_line, chromium_line, down = recipe()
+    assert words(up) == ["profiles/slurm/local-cluster.sh", "up", "--hosts", str(len(HOSTS))]  # what `hosts` ran
+    assert words(down) == ["profiles/slurm/local-cluster.sh", "down"]  # what `hosts` runs last, unless CI's one node
+    cold = cold_environment(dict(os.environ))
+    subprocess.run(["bash", "-c", data], check=True, cwd=tmp_path)
+    assert json.loads((tmp_path / "data" / "math2.jsonl").read_text())["answer"] == "2"
+    hub_command = words(hub_line)
+    assert hub_command[:2] == [".venv/bin/python", "tests/hub_server.py"] and "--outside" in hub_command
+    hub_command[-1] = str(tmp_path / "hub")  # its directory, in the test's own
+    hub = started_as_written(hub_command, REPO, tmp_path / "hub.log", cold)
+    servers = [hub]
+    try:
+        export = words(export_line)
+        assert export[0] == "export"
+        env = {**{k: v for k, v in cold.items() if not k.startswith(("HF_", "HUGGING_FACE_"))},
+               **dict(word.split("=", 1) for word in export[1:]),
+               "HF_HOME": str(tmp_path / "hf"), "PYTHONUNBUFFERED": "1"}  # a cache of the test's own
+        tracking = env["MLFLOW_TRACKING_URI"]
+        answers(f"{env['HF_ENDPOINT']}/api/models/{MODEL_ID}/revision/main", hub, tmp_path / "hub.log")
+        server = started_as_written(words(server_line), tmp_path, tmp_path / "server.log", cold)
+        servers.append(server)
+        answers(f"{tracking}/health", server, tmp_path / "server.log")
+
+        snakemake = words(snakemake_line)
+        assert snakemake[0] == ".venv/bin/snakemake"
+        command = [*SNAKEMAKE, *(str(REPO / a) if (REPO / a).exists() else a for a in snakemake[1:]),
+                   "--directory", str(tmp_path)]
+        since = run("date", "+%Y-%m-%dT%H:%M:%S").strip()
+        started = time.monotonic()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True, env=env)
+        try:
+            output, _ = process.communicate(timeout=2400)  # a hang detector
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGINT)  # Snakemake cancels its SLURM jobs
+            output, _ = process.communicate(timeout=120)
+            pytest.fail(f"the rehearsal across hosts ran past 40 minutes:\n{output[-5000:]}")
+        study_s = time.monotonic() - started
+        assert process.returncode == 0, output[-6000:]
+
+        # fetched on the login host, from the outside host, by name: every request the hub saw came from there
+        for need in ("model HuggingFaceTB/SmolLM2-135M-Instruct", "dataset DigitalLearningGmbH/MATH-lighteval",
+                     "dataset HuggingFaceH4/MATH-500", "dataset cais/mmlu:college_physics"):
+            assert f"klstudy fetch: {need}" in output, output[-3000:]
+        hub_clients = {line.split()[0] for line in (tmp_path / "hub" / "nginx-access.log").read_text().splitlines()}
+        assert hub_clients == {"10.87.1.1"}, hub_clients  # the login host's end of the outside link
+
+        # every job ran on the compute hosts; the two-node model's training steps spanned two of them
+        jobs = sacct_jobs(since)
+        print(f"\nSLURM's jobs and steps: {[(j['JobName'], j['NodeList'], j['State']) for j in jobs]}")
+        assert jobs and all(j["State"] == "COMPLETED" for j in jobs if "." not in j["JobID"]), jobs
+        assert all(re.fullmatch(r"cn(\d|\[[\d,-]+\])", j["NodeList"]) for j in jobs), jobs
+        two_node_steps = [j for j in jobs if "." in j["JobID"] and j["NNodes"] == "2"]
+        assert len(two_node_steps) == 1, jobs  # one srun step of both nodes, for the two runs of its bundle
+
+        results = tmp_path / "results" / "paper-cpu"
+        for point in paper_cpu().runs:
+            assert (results / "runs" / point.run_id / COMPLETE).is_file(), point.run_id
+            for suite in ("in_domain", "out_of_domain"):
+                assert (results / "eval" / point.run_id / suite / "metrics.json").is_file(), (point.run_id, suite)
+        table = (results / "tables" / "results.md").read_text()
+        assert all(model in table for model in MODELS) and "math500" in table
+
+        # the two-node training, against one process on the same batches (the same config file, by hand)
+        two_node = f"{TWO_NODE_MODEL}__k1-reward__b0.1__s0"
+        train_logs = "".join(p.read_text() for p in (results / "logs" / "train").glob("*.log"))
+        assert "process 0 of 2" in train_logs and "process 1 of 2" in train_logs, train_logs[-3000:]
+        config_file = results / "configs" / f"{two_node}.yaml"
+        alone = subprocess.run([sys.executable, "-m", "trainer", "train", "--config", str(config_file), "--out",
+                                str(tmp_path / "one")], capture_output=True, text=True, timeout=900,
+                               env={**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, cwd=tmp_path)
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        loss_gap, floor = assert_trains_as_one_process(tmp_path / "one", results / "runs" / two_node, config_file,
+                                                       smollm2)  # the hub's SmolLM2, imported here
+
+        # tracked live from the compute hosts, to the server by the login host's name: one child per run
+        children, parents = child_runs(tracking, "paper")
+        assert len(parents) == 1 and sorted(c.data.tags["klstudy.run_id"] for c in children) == sorted(
+            point.run_id for point in paper_cpu().runs)
+        assert all("loss" in c.data.metrics for c in children)
+        compute_clients = clients_of(tmp_path / "server.log") & set(HOSTS.values())
+        assert compute_clients, clients_of(tmp_path / "server.log")  # the jobs' followers, from their hosts
+
+        # the server's page by the login host's name, as the guide opens it, then the study's runs at the link
+        # the study printed as it started
+        assert words(chromium_line) == ["chromium", tracking]
+        link = re.search(r"MLflow, the study's runs \(live\): (\S+)", output)
+        assert link and link.group(1).startswith(f"{tracking}/#/experiments/"), output[-3000:]
+        with browser() as context:
+            page = context.new_page()
+            page.goto(tracking)
+            page.get_by_text("klstudy/paper").first.wait_for()  # the study's experiment, listed
+            page = context.new_page()  # the link in a tab of its own (in the same page, only its #... changes)
+            page.goto(link.group(1))
+            shown = page.get_by_text(re.compile(r"^[1-9]\d* matching runs$"))
+            shown.wait_for()
+            assert shown.inner_text() == f"{len(children)} matching runs"
+    finally:
+        for process in reversed(servers):
+            stopped(process)
+    print(f"the paper study at CPU size across 3 hosts: {study_s:.0f} s; the two-node training's loss differs "
+          f"from one process's by {loss_gap:.3g} (rounding floor {floor:.3g}); MLflow's clients on the compute "
+          f"hosts: {sorted(compute_clients)}")
+
+
+def test_a_training_job_over_two_hosts_makes_one_processs_updates(hosts, tmp_path):
+    """resources.train {nodes: 2}: one srun step over two compute hosts, its rendezvous at the first one's name,
+    gloo over TCP between them (the rehearsal's SmolLM2 run has losses of 0 at its one step: this one has
+    two steps of real updates). Its losses are one process's on the same batches, to rounding."""
+    from test_slurm import SLURM, SMALL, SMALL_RUNS, write_config
+
+    config = json.loads(json.dumps(SMALL))
+    config["grid"]["baseline"] = False
+    config["run"]["train"].update(steps=2, lr=1e-3)
+    config["resources"]["train"] = {"nodes": 2, "cpus": 1}
+    name = SMALL_RUNS[0]
+    env = cold_environment(dict(os.environ))  # jobs on other hosts: no zygote of this one
+    since = run("date", "+%Y-%m-%dT%H:%M:%S").strip()
+    done = subprocess.run([*SNAKEMAKE, *SLURM, f"results/.jobs/train/{name}.done", "--directory", str(tmp_path),
+                           "--configfile", str(write_config(tmp_path, config))],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    log = (tmp_path / "results" / "logs" / "train" / f"{name}.log").read_text()
+    assert log.count("process 0 of 2") == 1 and log.count("process 1 of 2") == 1, log[-3000:]
+    [step] = [j for j in sacct_jobs(since) if "." in j["JobID"] and j["NNodes"] == "2"]  # the trainers' srun
+    config_file = tmp_path / "results" / "configs" / f"{name}.yaml"
+    one = tmp_path / "one"
+    alone = subprocess.run([sys.executable, "-m", "trainer", "train", "--config", str(config_file), "--out", str(one)],
+                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    model = tmp_path / yaml.safe_load(config_file.read_text())["model"]["path"]
+    loss_gap, floor = assert_trains_as_one_process(one, tmp_path / "results" / "runs" / name, config_file, model)
+    losses = [m["loss"] for m in read_metrics(one / "metrics.jsonl")]
+    assert any(losses), losses  # a real update was compared
+    print(f"\ntwo hosts ({step['NodeList']}) vs one process: losses {losses}, differing by at most "
+          f"{loss_gap:.3g} (rounding floor {floor:.3g})")
+
+
+# --- a cluster's faults ------------------------------------------------------------------------------------
+
+def squeue_jobs() -> list[dict[str, str]]:
+    fields = ["JobID", "State", "Name", "NodeList"]
+    out = run("squeue", "-h", "-o", "%i|%T|%j|%N")
+    return [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines()]
+
+
+def kill_host(namespace: str) -> int:
+    """A compute host dies: every process of its network namespace (its slurmd, each job's slurmstepd and
+    processes) killed at once. How many there were."""
+    pids = run("ip", "netns", "pids", namespace).split()
+    subprocess.run(["kill", "-9", *pids], capture_output=True)
+    return len(pids)
+
+
+def lines_of(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def node_state(node: str) -> str:
+    return run("sinfo", "-h", "-n", node, "-o", "%T").strip()
+
+
+def test_a_compute_host_that_dies_mid_training_costs_only_the_steps_since_its_last_checkpoint(hosts, tmp_path):
+    """A finished study's run trained again (`rerun=<run id>`), and the compute host running it dies mid-training:
+    its slurmd and all its processes killed. SLURM marks the node down and requeues the job on another host, where
+    the run resumes from its last checkpoint; the study completes with its run's metrics and table the clean
+    run's, digit for digit, every step once in MLflow."""
+    from test_slurm import SLURM, SMALL, SMALL_RUNS, comparable, scontrol_field, write_config
+    from test_tracking import child_runs, client
+
+    config = json.loads(json.dumps(SMALL))
+    config["grid"]["baseline"] = False
+    steps, every = 300, 25
+    config["run"]["train"].update(steps=steps, prompts_per_step=16, group_size=4)
+    config["run"]["checkpoint"]["every"] = every
+    name = SMALL_RUNS[0]
+    config_file = write_config(tmp_path, config)
+    env = cold_environment(dict(os.environ))  # jobs on other hosts: no zygote of this one
+    snakemake = [*SNAKEMAKE, *SLURM, "--directory", str(tmp_path), "--configfile", str(config_file)]
+    clean = subprocess.run(snakemake, capture_output=True, text=True, timeout=1200, env=env)
+    assert clean.returncode == 0, clean.stderr[-4000:]
+    results, run_dir = tmp_path / "results", tmp_path / "results" / "runs" / name
+    clean_metrics, clean_table = comparable(run_dir), (results / "tables" / "results.md").read_text()
+
+    timeline, killed_at = [], None
+    started = time.monotonic()
+
+    def note(event: str) -> None:
+        timeline.append(f"{time.monotonic() - started:5.1f} s  {event}")
+
+    log = tmp_path / "rerun.log"
+    with log.open("w") as handle:
+        process = subprocess.Popen([*snakemake, "--config", f"rerun={name}"], stdout=handle, stderr=subprocess.STDOUT,
+                                   env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while killed_at is None and time.monotonic() < deadline and process.poll() is None:
+            lines = lines_of(run_dir / "metrics.jsonl")
+            training = [job for job in squeue_jobs() if job["Name"] == "smk-train" and job["State"] == "RUNNING"]
+            if training and lines >= 2 * every + 5:  # two checkpoints behind it, the third on its way
+                [job] = training
+                host = job["NodeList"]
+                processes = kill_host(f"klstudy-{host}")
+                killed_at = lines_of(run_dir / "metrics.jsonl")
+                note(f"host {host} killed ({processes} processes) with job {job['JobID']} at step {killed_at}")
+            time.sleep(0.1)
+        assert killed_at is not None, f"the training never ran long enough to be killed: {log.read_text()[-3000:]}"
+        assert killed_at < steps, "the run finished before its host was killed"
+        while node_state(host) not in ("down", "down*") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        note(f"node {host}: {node_state(host)}")
+        while time.monotonic() < deadline:
+            again = [j for j in squeue_jobs() if j["JobID"] == job["JobID"] and j["State"] == "RUNNING"]
+            if again:
+                note(f"job {job['JobID']} running again on {again[0]['NodeList']} "
+                     f"(restarts: {scontrol_field(job['JobID'], 'Restarts')})")
+                assert again[0]["NodeList"] != host
+                break
+            time.sleep(0.5)
+        assert process.wait(timeout=900) == 0, log.read_text()[-4000:]
+        note("the study complete")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGINT)
+            process.wait(timeout=120)
+        cluster("up", "--hosts", str(len(HOSTS)))  # the dead host back, for the tests after this one
+
+    train_log = (run_dir / "train.log").read_text()
+    resumed = [int(step) for step in re.findall(r"resumed from checkpoint step_(\d+)", train_log)]
+    print("\n" + "\n".join(timeline) + f"\nresumed at step {resumed}")
+    assert resumed and killed_at - every <= resumed[-1] <= killed_at, (resumed, killed_at)
+    assert comparable(run_dir) == clean_metrics  # each step once, as the clean run's
+    assert (results / "tables" / "results.md").read_text() == clean_table
+    [child], _ = child_runs(f"sqlite:///{results / 'mlflow.db'}", config["study"])
+    history = client(f"sqlite:///{results / 'mlflow.db'}").get_metric_history(child.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(steps))  # each step once
+
+
+def job_state(job: str) -> str:
+    return (run("sacct", "-X", "-n", "-P", "-o", "State", "-j", job).split() or ["UNKNOWN"])[0]
+
+
+@pytest.mark.parametrize("moment", ["starting", "busy"])
+def test_slurms_sigterm_to_a_jobs_processes_leaves_every_reward_of_its_verifier_right(hosts, tmp_path, moment):
+    """SLURM stops a job with SIGTERM to its processes (`scancel --signal=TERM --full`, as the executor's own
+    SIGTERM reaches the job command's process group): the verifier's workers get it too, while they start
+    (importing sympy) or while calls are in flight. On a compute host, a verifier pool scoring slow calls
+    (tests/test_verify.py's scorer, which finishes its batch on SIGTERM as the trainer finishes its step) must
+    score every known answer right."""
+    import shlex
+
+    from test_verify import SCORER, SLOW_PAIRS
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = tmp_path / "score.sh"
+    script.write_text(f"#!/bin/sh\ncd {shlex.quote(str(REPO))}\nexec {sys.executable} -c {shlex.quote(SCORER)}\n")
+    cold = cold_environment(dict(os.environ))
+    env = {**cold, "KLSTUDY_TEST_MARKS": str(marks),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), cold["PYTHONPATH"]]))}
+    out = tmp_path / "job.out"
+    job = subprocess.run(["sbatch", "--parsable", "--nodelist=cn2", "--cpus-per-task=2", "--mem=2000M",
+                          f"--output={out}", str(script)], capture_output=True, text=True, env=env,
+                         check=True).stdout.strip()
+    deadline = time.monotonic() + 180
+    while not any(path.name.startswith(moment) for path in marks.iterdir()):
+        assert time.monotonic() < deadline and job_state(job) in ("PENDING", "RUNNING", "UNKNOWN"), \
+            (job_state(job), out.read_text() if out.is_file() else "")
+        time.sleep(0.02)
+    run("scancel", "--signal=TERM", "--full", job)
+    while job_state(job) in ("PENDING", "RUNNING", "UNKNOWN"):
+        assert time.monotonic() < deadline + 300, "the scorer did not finish after SIGTERM"
+        time.sleep(0.5)
+    assert job_state(job) == "COMPLETED", out.read_text()
+    result = json.loads(out.read_text().strip().splitlines()[-1])
+    assert result["sigterms"] == 1  # the scorer itself got SLURM's SIGTERM
+    assert result["scores"] == [score for _, _, score in SLOW_PAIRS], result["counts"]
+
+
+# --- up and down, last: they switch to the one-node cluster and back, then take every host away ------
 
 def leftovers() -> list[str]:
     """What a cluster of hosts leaves: namespaces, links, /etc/hosts's block, /etc/netns files, slurmd."""
