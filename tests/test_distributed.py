@@ -189,6 +189,22 @@ def test_two_runs_in_one_pair_of_processes_each_train_as_they_would_alone(warm_m
     assert stderr.count("process 0 of 2") == stderr.count("process 1 of 2") == 1  # joined once
     alone = train_cli(tmp_path / "b-alone", warm_model, 2, 600, RUN, **{"train.seed": 2})
     assert alone.returncode == 0, alone.stderr[-3000:]
-    drop = {*TIMING_KEYS, "measure_time"}
-    assert [{k: v for k, v in m.items() if k not in drop} for m in metrics(tmp_path / "b")] == \
-        [{k: v for k, v in m.items() if k not in drop} for m in metrics(tmp_path / "b-alone")]
+    assert [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in metrics(tmp_path / "b")] == \
+        [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in metrics(tmp_path / "b-alone")]
+
+
+def test_a_run_that_fails_in_every_process_of_a_bundle_stops_no_other(warm_model, tmp_path):
+    """Both processes fail the first run alike (its directory holds another run): they go on to the second
+    together, as one process would."""
+    import yaml
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "config.yaml").write_text(yaml.safe_dump(
+        run_config.load(None, _overrides(warm_model, **{"train.lr": "5e-4"})).to_dict(), sort_keys=False))
+    plan = {str(taken): _overrides(warm_model), str(tmp_path / "next"): _overrides(warm_model)}
+    done = subprocess.run([*train_command(sys.executable, 2), "train-runs", "--plan", json.dumps(plan)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.count("holds a run with a different config") == 2, done.stderr[-3000:]
+    assert "every process stops here" not in done.stderr
+    assert [m["step"] for m in metrics(tmp_path / "next")] == [0, 1]

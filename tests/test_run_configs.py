@@ -3,6 +3,7 @@ run exactly, written once, rewritten only when it changes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -46,3 +47,21 @@ def test_train_runs_reads_config_files_and_checks_them_all_first(tmp_path):
                               "--run", str(bad), str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and f"--run {bad} {tmp_path / 'b'}: train.stepz: unknown key" in refused.stderr
     assert not (tmp_path / "a").exists()
+
+
+def test_several_runs_in_one_job_of_several_processes_must_share_their_process_group(tmp_path):
+    """Such runs share the job's process group, joined once: one device for them all, and no vLLM, whose
+    shutdown after a run destroys that group. Refused before any run starts, saying what to do."""
+    def train_runs(*engines_and_devices):
+        plan = {str(tmp_path / f"r{i}"): ["model.path=some/model", f"rollout.engine={engine}", f"model.device={device}"]
+                for i, (engine, device) in enumerate(engines_and_devices)}
+        return subprocess.run([sys.executable, "-m", "trainer", "train-runs", "--plan", json.dumps(plan)],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})
+
+    on_vllm = train_runs(("hf", "cpu"), ("vllm", "cpu"))
+    assert on_vllm.returncode == 2 and "destroys the processes' group" in on_vllm.stderr, on_vllm.stderr[-2000:]
+    assert "bundle.train: 1" in on_vllm.stderr
+    mixed = train_runs(("hf", "cpu"), ("hf", "cuda"))
+    assert mixed.returncode == 2 and "on one device, and these ask for cpu, cuda" in mixed.stderr, mixed.stderr
+    assert not any(tmp_path.iterdir())  # nothing started

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from trainer.audits import command as audit_command
 from trainer.objective import plugins
@@ -267,6 +268,9 @@ def _run_train_runs(args: argparse.Namespace) -> int:
     from trainer.run import EXIT_PREEMPTED, SigtermFlag, TrainingError, train
 
     configs = _run_configs(args.run) if args.run else _plan_configs(args.plan)
+    if not configs:
+        return 0
+    _check_one_group(configs)
     failed = []
     # one flag for every run (after a SIGTERM, no run starts), one process group (joined once, by the first)
     with SigtermFlag() as sigterm, contextlib.closing(World.from_environment(
@@ -279,10 +283,39 @@ def _run_train_runs(args: argparse.Namespace) -> int:
             except Exception as error:  # noqa: BLE001 - one run's failure (recorded in its FAILED) stops no other
                 log.error("%s: %s", out, error if isinstance(error, (ValueError, TrainingError)) else repr(error))
                 failed.append(out)
+            # A run that failed in one process only (its lease lost, a write) would leave the others a run ahead,
+            # pairing their collectives with another run's: the processes compare, and then stop together.
+            ran_here = not (failed and failed[-1] == out)
+            if world.sharded and len(set(world.gather(ran_here))) > 1:
+                if ran_here:
+                    failed.append(out)  # it failed in another process: so it did for this job
+                log.error("%s failed in one of this job's %d processes: every process stops here (the next "
+                          "attempt skips the finished runs)", out, world.size)
+                break
     if failed:
         log.error("%d of %d runs failed: %s (each run's FAILED says why; `python -m sweep status` lists them)",
                   len(failed), len(configs), ", ".join(map(str, failed)))
     return 1 if failed else 0
+
+
+def _check_one_group(configs: dict[Path, Any]) -> None:
+    """The runs of one job of several processes share its process group: they must agree on the device it is
+    made for, and none may use vLLM, whose shutdown at the end of a run destroys the group (torch's default
+    one, which vLLM's external launcher takes for its own), so that the next run could not start."""
+    from trainer.config import ConfigError
+
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if processes <= 1 or len(configs) <= 1:
+        return
+    devices = sorted({config.model.device for config in configs.values()})
+    if len(devices) > 1:
+        raise ConfigError(f"train-runs: the runs of a job of {processes} processes share one process group, on one "
+                          f"device, and these ask for {', '.join(devices)}: train them in separate jobs")
+    on_vllm = [str(out) for out, config in configs.items() if config.rollout.engine == "vllm"]
+    if on_vllm:
+        raise ConfigError(f"train-runs: {len(configs)} runs in one job of {processes} processes, {on_vllm[0]} with "
+                          "rollout.engine vllm, whose shutdown at the end of a run destroys the processes' group: "
+                          "the next run could not start. Train such runs one per job (the study's bundle.train: 1)")
 
 
 def _run_configs(runs: list[tuple[Path, Path]]) -> dict[Path, object]:
