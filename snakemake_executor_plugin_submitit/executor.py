@@ -135,11 +135,12 @@ class Executor(RemoteExecutor):
         for info in active_jobs:
             handle: submitit.SlurmJob = info.aux["submitit"]
             state = (handle.get_info(mode="cache").get("State") or "UNKNOWN").split()[0].upper()
-            if state in requeue.AFTER_NODE_FAILURE and (now := requeue.requeued(handle.job_id)):
+            if state in requeue.AFTER_NODE_FAILURE and (held := requeue.requeued(handle.job_id)):
                 if handle.job_id not in self.requeued:
                     self.requeued.add(handle.job_id)
                     self.logger.info(f"SLURM job {handle.job_id} ({info.job.name}): its node failed, and SLURM "
-                                     f"requeued it ({now}): it runs again (a training job from its last checkpoint)")
+                                     f"holds it again ({held}): followed; requeued, it runs again (a training "
+                                     "job from its last checkpoint)")
                 yield info
                 continue
             if state in SUCCESS | FAILURE:

@@ -13,6 +13,7 @@ import subprocess
 import submitit
 
 AFTER_NODE_FAILURE = {"NODE_FAIL", "BOOT_FAIL"}  # what sacct shows of a job requeued after its node failed
+# COMPLETING too: a job whose processes on the dead node cannot report is followed until slurmctld settles it
 ALIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
          "SUSPENDED"}
 
@@ -28,8 +29,8 @@ def controller_state(job_id: str) -> str | None:
 
 
 def requeued(job_id: str) -> str | None:
-    """For a job that sacct reports failed with its node: its state now if SLURM requeued it (submitit's watcher
-    then follows it again), else None."""
+    """For a job that sacct reports failed with its node: its state now if slurmctld still holds it, requeued or
+    settling (submitit's watcher then follows it again), else None."""
     state = controller_state(job_id)
     if state not in ALIVE:
         return None

@@ -104,7 +104,7 @@ slurm_conf() {
         title=" a login host and $HOSTS compute hosts (up --hosts $HOSTS)."
         controller="localhost($LOGIN_ADDR)"
         slurmd="slurmd-%n"
-        slurmd_timeout=20
+        slurmd_timeout=30
     fi
     cat <<EOF
 # Written by profiles/slurm/local-cluster.sh:$title
@@ -135,7 +135,8 @@ DefMemPerCPU=1000
 JobRequeue=1
 ReturnToService=2
 # A node whose slurmd has not answered for this long is DOWN, and its batch jobs are requeued on another
-# (SLURM's default, 300 s, kept for the one node; a compute host that dies is noticed within 20-30 s).
+# (SLURM's default, 300 s, kept for the one node; a compute host that dies is noticed within 30-40 s,
+# and a slurmd slow to answer on a busy machine is not taken for dead).
 SlurmdTimeout=$slurmd_timeout
 KillWait=10
 MinJobAge=300
