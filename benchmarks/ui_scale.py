@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -144,10 +145,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=REPO / "workflow" / "config" / "paper.yaml")
     parser.add_argument("--steps", type=int, default=10, help="metrics lines per run (default 10)")
-    parser.add_argument("--keep", type=Path, help="build everything here and keep it (default: a temporary directory)")
+    parser.add_argument("--keep", type=Path,
+                        help="build everything in this new directory and keep it (default: a temporary one)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ui-scale-") as tmp:
         root = args.keep or Path(tmp)
+        if args.keep and args.keep.exists():
+            parser.error(f"--keep {args.keep}: it exists; name a new directory")
         name, points = write_finished_study(args.config, root / "results", args.steps)
         store = root / "server.db"
         start = time.perf_counter()
@@ -157,9 +161,9 @@ def main() -> None:
         server, port = serve(store, root / "artifacts")
         try:
             first_count, first, every, clicks = open_every_row(
-                synced.runs_page.replace(LOCAL_UI, f"http://127.0.0.1:{port}"), synced.child_run_ids)
+                synced.runs_page.replace(LOCAL_UI, f"http://127.0.0.1:{port}"), sorted(synced.child_run_ids))
         finally:
-            os.killpg(server.pid, 15)
+            os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=30)
         print(f"runs page in Chromium: the first rows drawn in {first:.1f} s ({first_count!r}), "
               f"all {points} loaded in {every:.1f} s ({clicks} clicks on Load more), each a row with its metrics")

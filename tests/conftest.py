@@ -101,13 +101,13 @@ TOGETHER_FILES = {"test_mlflow_ui.py", "test_rollout_contract.py", "test_smollm2
                   "test_tracking.py"}
 
 
-# The files whose tests take the longest, longest first (one run of today's tests on 2 cores: the cluster's 510 s,
-# the SmolLM2 study 188 s, ... the distributed runs 56 s). Their tests are collected first, in this order, and
-# handed out first: the two processes then end together, on short tests, where one of them used to run the
-# last studies alone for 100 s. A file missing here only goes out later. test_cluster_hosts.py (the paper
-# rehearsal and a cluster's faults across three hosts) is first of the cluster's files, which go out together
-# whatever their order: it restarts the cluster as three hosts and gives the one-node cluster back, and the
-# others then check that it did.
+# The files whose tests take the longest, longest first (the cluster's files first: test_cluster_hosts.py alone,
+# the rehearsal across hosts and the node that dies among its tests, takes about 8 minutes on 2 cores; then the
+# SmolLM2 study, ... the distributed runs). Their tests are collected first, in this order, and handed out first:
+# the two processes then end together, on short tests, where one of them used to run the last studies alone for
+# 100 s. A file missing here only goes out later. test_cluster_hosts.py is first of the cluster's files, which go
+# out together whatever their order: it restarts the cluster as three hosts and gives the one-node cluster back,
+# and the others then check that it did.
 LONGEST_FIRST = ("test_cluster_hosts.py", "test_slurm.py", "test_study_heals.py", "test_smollm2_study.py",
                  "test_smollm2_rollout.py", "test_smollm2_pipeline.py", "test_hub_server.py",
                  "test_mlflow_ui.py", "test_vllm_training.py", "test_workflow.py", "test_doc_commands.py",

@@ -263,9 +263,9 @@ if __name__ == "__main__":  # a hub for a rehearsal by hand: python tests/hub_se
                         "local-cluster.sh up --hosts N (klstudy-hub), not on 127.0.0.1")
     parser.add_argument("--port", type=int, help="nginx's port (default: a free one)")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop both servers on kill too, starting ones included
     running = start(args.directory.resolve(), mirror_tree(require_smollm2()), port=args.port,
                     **(OUTSIDE if args.outside else {}))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop both servers on kill too
     print(f"HF_ENDPOINT={running.hub.endpoint}  (gated {GATED_ID}: HF_TOKEN={GATED_TOKEN}); Ctrl-C stops it",
           flush=True)
     try:

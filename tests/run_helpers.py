@@ -140,7 +140,6 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-
 def assert_trains_as_one_process(one: Path, many: Path, config_file: Path, model: Path) -> tuple[float, float]:
     """The run in `many` (several processes: tasks or nodes) logged what the run in `one` (one process, the same
     config file) did, step by step: each statistic equal to 1e-4, or both within the rounding of 0

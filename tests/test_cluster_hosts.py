@@ -38,6 +38,7 @@ from run_helpers import assert_trains_as_one_process
 from test_paper_rehearsal import MODELS, paper_cpu
 from test_workflow import SNAKEMAKE
 
+from eval.suites import IN_DOMAIN, OUT_OF_DOMAIN
 from trainer.run_files import COMPLETE, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -359,11 +360,16 @@ def test_the_paper_study_at_cpu_size_runs_across_the_hosts_as_the_guide_says(hos
 
         results = tmp_path / "results" / "paper-cpu"
         for point in paper_cpu().runs:
-            assert (results / "runs" / point.run_id / COMPLETE).is_file(), point.run_id
-            for suite in ("in_domain", "out_of_domain"):
-                assert (results / "eval" / point.run_id / suite / "metrics.json").is_file(), (point.run_id, suite)
+            directory = results / "runs" / point.run_id
+            assert (directory / COMPLETE).is_file(), point.run_id
+            assert [m["step"] for m in read_metrics(directory / "metrics.jsonl")] == [0]
+            assert read_metrics(directory / "objective.jsonl"), point.run_id  # measured on MATH's test split
+            for suite, tasks in (("in_domain", IN_DOMAIN), ("out_of_domain", OUT_OF_DOMAIN)):
+                scored = json.loads((results / "eval" / point.run_id / suite / "metrics.json").read_text())["tasks"]
+                assert set(scored) == set(tasks), (point.run_id, suite)
+                assert all(task["n"] >= 1 and 0 <= task["value"] <= 1 for task in scored.values())
         table = (results / "tables" / "results.md").read_text()
-        assert all(model in table for model in MODELS) and "math500" in table
+        assert all(model in table for model in MODELS) and "math500" in table and "mmlu_college_biology" in table
 
         # the two-node training, against one process on the same batches (the same config file, by hand)
         two_node = f"{TWO_NODE_MODEL}__k1-reward__b0.1__s0"
@@ -551,8 +557,6 @@ def test_slurms_sigterm_to_a_jobs_processes_leaves_every_reward_of_its_verifier_
     (importing sympy) or while calls are in flight. On a compute host, a verifier pool scoring slow calls
     (tests/test_verify.py's scorer, which finishes its batch on SIGTERM as the trainer finishes its step) must
     score every known answer right."""
-    import shlex
-
     from test_verify import SCORER, SLOW_PAIRS
 
     marks = tmp_path / "marks"
@@ -566,15 +570,18 @@ def test_slurms_sigterm_to_a_jobs_processes_leaves_every_reward_of_its_verifier_
     job = subprocess.run(["sbatch", "--parsable", "--nodelist=cn2", "--cpus-per-task=2", "--mem=2000M",
                           f"--output={out}", str(script)], capture_output=True, text=True, env=env,
                          check=True).stdout.strip()
-    deadline = time.monotonic() + 180
-    while not any(path.name.startswith(moment) for path in marks.iterdir()):
-        assert time.monotonic() < deadline and job_state(job) in ("PENDING", "RUNNING", "UNKNOWN"), \
-            (job_state(job), out.read_text() if out.is_file() else "")
-        time.sleep(0.02)
-    run("scancel", "--signal=TERM", "--full", job)
-    while job_state(job) in ("PENDING", "RUNNING", "UNKNOWN"):
-        assert time.monotonic() < deadline + 300, "the scorer did not finish after SIGTERM"
-        time.sleep(0.5)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(path.name.startswith(moment) for path in marks.iterdir()):
+            assert time.monotonic() < deadline and job_state(job) in ("PENDING", "RUNNING", "UNKNOWN"), \
+                (job_state(job), out.read_text() if out.is_file() else "")
+            time.sleep(0.02)
+        run("scancel", "--signal=TERM", "--full", job)
+        while job_state(job) in ("PENDING", "RUNNING", "UNKNOWN"):
+            assert time.monotonic() < deadline + 300, "the scorer did not finish after SIGTERM"
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)  # a failed test leaves no job for the next
     assert job_state(job) == "COMPLETED", out.read_text()
     result = json.loads(out.read_text().strip().splitlines()[-1])
     assert result["sigterms"] == 1  # the scorer itself got SLURM's SIGTERM
