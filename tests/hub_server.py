@@ -180,7 +180,8 @@ def _spawn(command: list[str], log: Path, env: dict[str, str], cwd: Path) -> sub
                                 start_new_session=True)
 
 
-def _wait(url: str, process: subprocess.Popen, log: Path, what: str, timeout: float = 60) -> None:
+def wait_until_answers(url: str, process: subprocess.Popen, log: Path, what: str, timeout: float = 60) -> None:
+    """Until `url` answers 200 (no proxy), failing with `log`'s tail if `process`, its server, exits first."""
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # whatever proxy this shell has
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -195,14 +196,15 @@ def _wait(url: str, process: subprocess.Popen, log: Path, what: str, timeout: fl
     raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s: {_tail(log)}")
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop_process(process: subprocess.Popen, timeout: float = 15) -> None:
+    """A server started in a session of its own: SIGTERM to its group, SIGKILL after `timeout` seconds."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=15)
+            process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=15)
+            process.wait(timeout=timeout)
 
 
 class Running:
@@ -213,7 +215,7 @@ class Running:
 
     def stop(self) -> None:
         for process in reversed(self.processes):
-            _stop(process)
+            stop_process(process)
 
 
 def start(work: Path, mirror: Path, address: str = "127.0.0.1", namespace: str | None = None,
@@ -234,14 +236,14 @@ def start(work: Path, mirror: Path, address: str = "127.0.0.1", namespace: str |
         olah = [*inside, str(OLAH), "--config", str(_olah_config(work, address, olah_port, mirror)),
                 "--log-path", str(work / "logs")]
         processes.append(_spawn(olah, work / "olah.log", env, work))
-        _wait(f"http://{address}:{olah_port}/{probe}", processes[0], work / "olah.log", "olah")
+        wait_until_answers(f"http://{address}:{olah_port}/{probe}", processes[0], work / "olah.log", "olah")
         nginx = [*inside, NGINX, "-p", str(work), "-c", str(_nginx_config(work, address, port, olah_port, GATED_ID)),
                  "-e", str(work / "nginx-error.log")]
         processes.append(_spawn(nginx, work / "nginx.log", env, work))
-        _wait(f"http://{address}:{port}/{probe}", processes[1], work / "nginx-error.log", "nginx")
+        wait_until_answers(f"http://{address}:{port}/{probe}", processes[1], work / "nginx-error.log", "nginx")
     except BaseException:
         for process in reversed(processes):
-            _stop(process)
+            stop_process(process)
         raise
     return Running(Hub(f"http://{name or address}:{port}", mirror, served, logs=work), processes)
 

@@ -34,6 +34,7 @@ import pytest
 import yaml
 from conftest import cluster_up, cold_environment, on_cluster
 from hub_mirror import MODEL_ID
+from hub_server import stop_process, wait_until_answers
 from run_helpers import assert_trains_as_one_process
 from test_paper_rehearsal import MODELS, paper_cpu
 from test_workflow import SNAKEMAKE
@@ -258,28 +259,6 @@ def started_as_written(command: list[str], cwd: Path, log: Path, env: dict[str, 
                                 start_new_session=True, env={**env, **settings})
 
 
-def answers(url: str, process: subprocess.Popen, log: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"{url}'s server exited: {log.read_text()[-3000:]}"
-        try:
-            with no_proxy().open(url, timeout=5):
-                return
-        except OSError:
-            time.sleep(0.5)
-    pytest.fail(f"{url} did not answer within {timeout:.0f} s: {log.read_text()[-3000:]}")
-
-
-def stopped(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-
-
 def sacct_jobs(since: str) -> list[dict[str, str]]:
     """Every job and step SLURM accounted since `since` (sacct's time): its id, name, nodes and state."""
     fields = ["JobID", "JobName", "NNodes", "NodeList", "State"]
@@ -321,10 +300,11 @@ def test_the_paper_study_at_cpu_size_runs_across_the_hosts_as_the_guide_says(hos
                **dict(word.split("=", 1) for word in export[1:]),
                "HF_HOME": str(tmp_path / "hf"), "PYTHONUNBUFFERED": "1"}  # a cache of the test's own
         tracking = env["MLFLOW_TRACKING_URI"]
-        answers(f"{env['HF_ENDPOINT']}/api/models/{MODEL_ID}/revision/main", hub, tmp_path / "hub.log")
+        wait_until_answers(f"{env['HF_ENDPOINT']}/api/models/{MODEL_ID}/revision/main", hub, tmp_path / "hub.log",
+                           "the hub", timeout=180)
         server = started_as_written(words(server_line), tmp_path, tmp_path / "server.log", cold)
         servers.append(server)
-        answers(f"{tracking}/health", server, tmp_path / "server.log")
+        wait_until_answers(f"{tracking}/health", server, tmp_path / "server.log", "mlflow server", timeout=180)
 
         snakemake = words(snakemake_line)
         assert snakemake[0] == ".venv/bin/snakemake"
@@ -407,7 +387,7 @@ def test_the_paper_study_at_cpu_size_runs_across_the_hosts_as_the_guide_says(hos
             assert shown.inner_text() == f"{len(children)} matching runs"
     finally:
         for process in reversed(servers):
-            stopped(process)
+            stop_process(process, timeout=30)
     print(f"the paper study at CPU size across 3 hosts: {study_s:.0f} s; the two-node training's loss differs "
           f"from one process's by {loss_gap:.3g} (rounding floor {floor:.3g}); MLflow's clients on the compute "
           f"hosts: {sorted(compute_clients)}")
