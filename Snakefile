@@ -1,25 +1,25 @@
 """klstudy's study DAG: prepare -> train (one job per grid point) -> evaluate -> track -> report.
 
 The study config (default workflow/config/toy.yaml; another with --configfile) is checked whole
-before any job starts (sweep.study_check): once by sweep.grid, against the study schema
-workflow/config/schema.yaml (sweep.study_schema) and then every run's trainer config, then against
-this machine and the results so far (the results directory another study's (sweep.owner), model
+before any job starts (sweep.study.study_check): once by sweep.study.grid, against the study schema
+workflow/config/schema.yaml (sweep.study.study_schema) and then every run's trainer config, then against
+this machine and the results so far (the results directory another study's (sweep.study.owner), model
 paths, devices against GPUs, runs and evaluations made otherwise than the study says now
-(sweep.changes), hub models and data sets missing from the cache where this node is offline); each
+(sweep.study.changes), hub models and data sets missing from the cache where this node is offline); each
 error is one line that names the key. Each pending run's config is written to
-<results>/configs/<run id>.yaml, which its training job reads (sweep.run_configs). A dry run (-n) also
-prints the plan (sweep.plan): each job's resources and sbatch options, and where each run starts.
+<results>/configs/<run id>.yaml, which its training job reads (sweep.study.run_configs). A dry run (-n) also
+prints the plan (sweep.study.plan): each job's resources and sbatch options, and where each run starts.
 Every rule calls a package CLI, so each job is a command a person can run by hand.
 
-Jobs run offline (sweep.job_env): before the first one, this process fetches the study's hub models and
-data sets that the cache lacks (sweep.fetch, with this node's network and token), then gives every job
+Jobs run offline (sweep.hub.job_env): before the first one, this process fetches the study's hub models and
+data sets that the cache lacks (sweep.hub.fetch, with this node's network and token), then gives every job
 an environment where the hub is out of reach and no token is set.
 
-The run directories are the state (sweep.jobs): a finished run (COMPLETE) or evaluation
+The run directories are the state (sweep.study.jobs): a finished run (COMPLETE) or evaluation
 (metrics.json) is never in a job again, so re-running the same command, after any kill, finishes only
 what is missing, and a study that grows (seeds, betas, any axis value) runs only its new points.
 `--config rerun=failed`, `rerun=changed` or `rerun=ID[,ID...]` (run ids and evaluation keys) first moves
-those outputs aside (sweep.rerun), so that they are trained and evaluated again from scratch; so are
+those outputs aside (sweep.study.rerun), so that they are trained and evaluated again from scratch; so are
 evaluations whose model is no longer there (their run was deleted or trained again).
 """
 
@@ -34,10 +34,11 @@ from pathlib import Path
 
 from snakemake.utils import min_version
 
-from sweep import changes, fetch, hub_needs, job_env, jobs, owner, rerun, study_lock
-from sweep.grid import StudyError
-from sweep.plan import plan
-from sweep.study_check import check_nodes, check_study, preflight
+from sweep.hub import fetch, hub_needs, job_env
+from sweep.study import changes, jobs, owner, rerun, study_lock
+from sweep.study.grid import StudyError
+from sweep.study.plan import plan
+from sweep.study.study_check import check_nodes, check_study, preflight
 from trainer.launch import job_command
 from trainer.objective import plugins
 
@@ -68,7 +69,7 @@ try:
 except StudyError as error:
     raise WorkflowError(f"study config: {error}") from None
 
-# A lock left by a snakemake killed hard is released here, before Snakemake locks (sweep.study_lock).
+# A lock left by a snakemake killed hard is released here, before Snakemake locks (sweep.study.study_lock).
 if MAIN:
     try:
         released = study_lock.check(sys.argv, study_lock.unlock_command(
@@ -78,8 +79,8 @@ if MAIN:
     if released:
         print(released, file=sys.stderr)
 
-# What the results hold against what the study says now (sweep.changes): stale evaluations and what
-# --config rerun=... names are moved aside (sweep.rerun); anything else made otherwise stops the study here.
+# What the results hold against what the study says now (sweep.study.changes): stale evaluations and what
+# --config rerun=... names are moved aside (sweep.study.rerun); anything else made otherwise stops the study here.
 CHECKS = MAIN and "--unlock" not in sys.argv  # releasing a lock reads nothing of the results
 DISCARDED = rerun.Discarded()
 try:
@@ -105,7 +106,7 @@ if MAIN and workflow.output_settings.dryrun:
 
 def fetch_then_go_offline():
     """The hub models and data sets the cache lacks, fetched here; then this process's environment, which
-    every job inherits, made a compute job's (sweep.job_env). A failed fetch stops the study before any job."""
+    every job inherits, made a compute job's (sweep.hub.job_env). A failed fetch stops the study before any job."""
     try:
         fetch.fetch_missing(hub_needs.needs(STUDY), say=lambda line: print(line, file=sys.stderr))
     except fetch.FetchError as error:

@@ -111,7 +111,7 @@ resume() {  # a few SmolLM2 steps with vLLM rollouts, stopped by SIGTERM after t
     smollm2 || return 1
     local point run=$WORK/resume pid
     mapfile -t point < <($PY -c "
-import yaml; from sweep.grid import load_study
+import yaml; from sweep.study.grid import load_study
 study = load_study(yaml.safe_load(open('workflow/config/smol.yaml')))
 print('\n'.join(next(r for r in study.runs if '__k3-loss__' in r.run_id).overrides()))")
     local args=(--out "$run" "${point[@]}" "model.path=$MODEL" rollout.engine=vllm "train.steps=${RESUME_STEPS:-5}"

@@ -41,8 +41,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sweep.checks import merge  # noqa: E402
-from sweep.grid import load_study  # noqa: E402
+from sweep.study.checks import merge  # noqa: E402
+from sweep.study.grid import load_study  # noqa: E402
 from trainer.run_files import read_metrics  # noqa: E402
 
 DEFAULT_VARIANTS = ["hf-eager=rollout.hf_decoding=eager", "hf-compiled=rollout.hf_decoding=compiled"]

@@ -39,8 +39,9 @@ def _status(field: str) -> int:
 def child(side: str, quantity: str, tokens: int, vocab: int, hidden_size: int, chunk: int) -> None:
     import torch
 
+    from trainer.batch import HeadInputs
     from trainer.model.chunked_logprobs import token_logprobs
-    from trainer.objective.full_kl import HeadInputs, token_kl, token_kl_naive
+    from trainer.objective.full_kl import token_kl, token_kl_naive
 
     def per_token(hidden, weight, targets, ref_hidden, ref_weight):
         if quantity == "full-kl":

@@ -19,8 +19,9 @@ import argparse
 
 import torch
 
+from trainer.batch import HeadInputs
 from trainer.model.chunked_logprobs import token_logprobs
-from trainer.objective.full_kl import HeadInputs, token_kl, token_kl_naive
+from trainer.objective.full_kl import token_kl, token_kl_naive
 
 
 def confident_case(tokens: int, vocab: int, hidden_size: int, top: float = 17.0, spread: float = 2.5, seed: int = 0):

@@ -32,8 +32,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sweep.checks import merge  # noqa: E402
-from sweep.grid import load_study  # noqa: E402
+from sweep.study.checks import merge  # noqa: E402
+from sweep.study.grid import load_study  # noqa: E402
 from trainer.run import EXIT_PREEMPTED  # noqa: E402
 from trainer.run_files import COMPLETE, read_metrics  # noqa: E402
 

@@ -27,7 +27,7 @@ STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
 
 
 def family(rule: str) -> str:
-    """A bundled job's rule (train_<key>, evaluate_<key>: sweep.jobs) counts as its family (train, evaluate)."""
+    """A bundled job's rule (train_<key>, evaluate_<key>: sweep.study.jobs) counts as its family (train, evaluate)."""
     match = re.match(r"^(train|evaluate)_[0-9a-f]{10}$", rule)
     return match.group(1) if match else rule
 

@@ -26,9 +26,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sweep import jobs  # noqa: E402
-from sweep.evaluations import Expected  # noqa: E402
-from sweep.grid import load_study  # noqa: E402
+from sweep.study import jobs  # noqa: E402
+from sweep.study.evaluations import Expected  # noqa: E402
+from sweep.study.grid import load_study  # noqa: E402
 from trainer.run_files import COMPLETE, METRICS, record_failure  # noqa: E402
 
 LINE = {"reward_mean": 0.5, "pass_rate": 0.5, "loss": 0.1, "kl_k3": 0.01, "grad_norm": 1.0, "lr": 1e-6,

@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sweep.report.table import summarize  # noqa: E402
 from sweep.runs import load_runs  # noqa: E402
-from sweep.table import summarize  # noqa: E402
 
 # (what is claimed, the configuration, the metric, what it is compared with: a configuration or `reference`,
 #  the direction claimed: +1 larger, -1 smaller, 0 no difference claimed)

@@ -10,11 +10,11 @@ last, and two evaluated suites each. Phases, each bounded in time:
 1. full sync: --runs minus --followers finished runs of --steps steps, one `python -m sweep track`
    (the study's track job): metric rows per second; then the same command again (nothing new).
 2. live: --followers more runs start and append a step every --step-every s for --live-s s, each
-   with the follower a training job starts (`sweep.tracking.follow`, one process each, forked
+   with the follower a training job starts (`sweep.tracking.experiment.follow`, one process each, forked
    from this one), syncing every --interval s. An observer asks the server every --poll-s s
    which steps it shows (one runs/search; its requests are not counted): the lag of each line
    from written to shown. The server's requests come from its access log.
-3. nothing new: one follower round (a call of `sweep.tracking.sync` as `follow` makes it) on a
+3. nothing new: one follower round (a call of `sweep.tracking.experiment.sync` as `follow` makes it) on a
    finished, synced run, --noop-rounds times in one process: seconds and server requests.
 
 The code measured is the `sweep` package on PYTHONPATH (point it at an old checkout to measure
@@ -93,7 +93,7 @@ def trainer_line(root: Path) -> dict:
 
 def paper_runs(count: int) -> list[tuple[str, dict]]:
     """The first `count` runs of paper.yaml's grid: (run id, the run config the trainer would write)."""
-    from sweep.grid import load_study
+    from sweep.study.grid import load_study
     from trainer import config as run_config
     study = load_study(yaml.safe_load((REPO / "workflow" / "config" / "paper.yaml").read_text()))
     return [(run.run_id, run_config.load(None, run.overrides()).to_dict()) for run in study.runs[:count]]
@@ -140,7 +140,7 @@ def timed(command: list[str], limit: float) -> tuple[float, bool]:
 
 def follower(results: Path, run_dir: Path, uri: str, interval: float, rounds: Path) -> None:
     """A training job's follower, each of its rounds (a `sync` call) timed into `rounds`."""
-    import sweep.tracking as tracking
+    from sweep.tracking import experiment as tracking
 
     real_sync = tracking.sync
 
@@ -269,7 +269,7 @@ def live_phase(args, results: Path, runs: list[tuple[str, dict]], template: dict
 
 def noop_rounds(results: Path, runs: list[Path], uri: str, access: Path) -> tuple[list[float], float]:
     """One follower round on a finished, synced run, as `follow` makes it: seconds each, requests each."""
-    import sweep.tracking as tracking
+    from sweep.tracking import experiment as tracking
 
     own_runs = "runs" in inspect.signature(tracking.sync).parameters
     seconds, before = [], requests_logged(access)
@@ -302,7 +302,7 @@ def main() -> None:
     args.drain_s = args.drain_s if args.drain_s is not None else 2 * args.interval + 30
     import mlflow.tracking  # noqa: F401 - imported once, before the followers fork
 
-    import sweep.tracking as tracking
+    from sweep.tracking import experiment as tracking
 
     print(f"code: {Path(tracking.__file__).resolve().parent.parent}; {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}", flush=True)

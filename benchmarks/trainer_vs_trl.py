@@ -150,7 +150,8 @@ def check(args: argparse.Namespace, model: Path) -> dict:
     import torch
     import trl  # noqa: F401
 
-    from trainer.model.logprobs import completion_logprobs, pack
+    from trainer.batch import pack
+    from trainer.model.logprobs import completion_logprobs
     from trainer.model.models import load_model, load_tokenizer
     from trainer.rollout.base import SamplingParams, sample_seeds
     from trainer.rollout.hf import HFEngine

@@ -37,10 +37,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the UI tests' Chromium and grid reader, imported when used
 
-from sweep import jobs  # noqa: E402
-from sweep.evaluations import Expected  # noqa: E402
-from sweep.grid import load_study  # noqa: E402
-from sweep.tracking import LOCAL_UI, sync  # noqa: E402
+from sweep.study import jobs  # noqa: E402
+from sweep.study.evaluations import Expected  # noqa: E402
+from sweep.study.grid import load_study  # noqa: E402
+from sweep.tracking.experiment import LOCAL_UI, sync  # noqa: E402
 from trainer.run_files import COMPLETE, METRICS  # noqa: E402
 
 WAIT_MS = 120_000  # the longest any one step of the page may take

@@ -106,7 +106,7 @@ def run_config_page() -> str:
 
 
 def _schema_rows(schema: dict, key: str, required: bool, rows: list[tuple[str, str, str]]) -> None:
-    from sweep.config_schema import expected
+    from sweep.study.config_schema import expected
 
     if "$ref" in schema:
         name = schema["$ref"].rsplit("/", 1)[-1]
@@ -142,12 +142,12 @@ def _schema_table(schema: dict) -> list[str]:
 
 
 def study_config_page() -> str:
-    from sweep.config_schema import expected
+    from sweep.study.config_schema import expected
 
     schema = yaml.safe_load((REPO / "workflow" / "config" / "schema.yaml").read_text())
     lines = ["# Study config keys", "", GENERATED.format(source="`workflow/config/schema.yaml`"),
              "A study config (`snakemake --configfile FILE`) is checked whole before the DAG is built: first by",
-             "`sweep.grid` (names, grid semantics, every run's config), then against this schema, one line per",
+             "`sweep.study.grid` (names, grid semantics, every run's config), then against this schema, one line per",
              "error naming the key. The `run` sections are the [run config](run-config.md).", "",
              "## The study", "", *_schema_table(schema)]
     for name, definition in schema.get("definitions", {}).items():
@@ -204,9 +204,9 @@ def _leading_comment(path: Path) -> str:
 
 
 def studies_page() -> str:
-    from sweep.grid import load_study
+    from sweep.study.grid import load_study
 
-    logging.getLogger("sweep.grid").setLevel(logging.ERROR)  # a study's data not yet exported is no news here
+    logging.getLogger("sweep.study.grid").setLevel(logging.ERROR)  # a study's data not yet exported is no news here
     lines = ["# The shipped studies", "", GENERATED.format(source="`workflow/config/*.yaml`"),
              "Each study config in `workflow/config/`, what it says it studies, and the runs its grid expands",
              "to. Run one with `.venv/bin/snakemake --profile profiles/local --configfile FILE` (`toy.yaml` is",

@@ -1,5 +1,5 @@
 """The options of `python -m eval run`, and the evaluations they ask for: one reading of a command line,
-shared by the command itself and by a study (sweep.changes), which reads the very options its jobs get
+shared by the command itself and by a study (sweep.study.changes), which reads the very options its jobs get
 to know what an evaluation would record."""
 
 from __future__ import annotations

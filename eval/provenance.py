@@ -1,5 +1,5 @@
 """What made an evaluation: recorded in its metrics.json, so that a study can compare it with what it would
-make now before it trusts it (sweep.changes).
+make now before it trusts it (sweep.study.changes).
 
 Three parts, each compared on its own:
 - `settings`: what decides what an evaluation measures: the tasks, the backend, the sampling (samples,

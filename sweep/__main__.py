@@ -17,7 +17,7 @@ DEFAULT_STUDY = Path("workflow/config/toy.yaml")  # the Snakefile's, where no --
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sweep import configfiles
+    from sweep.study import configfiles
     from trainer.objective import plugins
 
     try:
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "track":
-            from sweep.tracking import default_uri, follow, open_store, runs_page, sync
+            from sweep.tracking.experiment import default_uri, follow, open_store, runs_page, sync
 
             # MLflow prints "View run ... at: <url>" on stdout when it ends a run on a server: stdout
             # is the sync report's JSON (the track job's output file), so everything else goes to stderr
@@ -87,21 +87,21 @@ def main(argv: list[str] | None = None) -> int:
                     synced = sync(args.results, args.study, args.uri).__dict__
             print(json.dumps(synced))
         elif args.command == "status":
-            from sweep import status
+            from sweep.study import status
 
             study = _study(args.configfile or [DEFAULT_STUDY])
             points = status.study_status(study)
             print(json.dumps(status.records(points), indent=1) if args.json
                   else "\n".join(status.report(study, points, tuple(args.state))))
         elif args.command == "fetch":
-            from sweep.fetch import fetch_missing
-            from sweep.hub_needs import needs
+            from sweep.hub.fetch import fetch_missing
+            from sweep.hub.hub_needs import needs
 
             wanted = needs(_study(args.configfile))
             fetched = fetch_missing(wanted, say=lambda line: print(line, file=sys.stderr))
             print(f"klstudy fetch: {len(wanted)} hub model(s) and data set(s) cached, {len(fetched)} fetched now")
         else:
-            from sweep.report import report
+            from sweep.report.build import report
 
             with contextlib.redirect_stdout(sys.stderr):
                 written = report(args.results, args.study, args.uri, args.collapse_fraction, tuple(args.columns))
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _study(files: list[Path]):
     """The study that these config files make, merged in order as Snakemake merges them."""
-    from sweep import configfiles
-    from sweep.grid import load_study
+    from sweep.study import configfiles
+    from sweep.study.grid import load_study
 
     return load_study(configfiles.read(files))
 

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from eval.harness import METRICS_FILE
-from sweep import axes
+from sweep.study import axes
 from trainer.run_files import COMPLETE, CONFIG, METRICS, OBJECTIVE, OBJECTIVE_REFERENCE, read_metrics
 
 
@@ -80,7 +80,7 @@ class RunRecord:
         error; None when the run measured nothing at its last step."""
         if not self.objective or self.objective[-1]["step"] != len(self.metrics) or self.objective_reference is None:
             return None
-        from trainer.audits.optimum import mean_se, objective_gap
+        from trainer.measure.optimum import mean_se, objective_gap
 
         per_prompt = self.objective[-1]["per_prompt"]
         if beta is None:
@@ -121,7 +121,7 @@ def study_axes(results: Path) -> tuple[str, ...]:
 def load_runs(results: Path, only: list[Path] | None = None) -> list[RunRecord]:
     """Every run under results/runs that has a config (or those of the run directories `only`), with its
     evals from results/eval/<id>/<suite>; the extra axes are the config keys that differ between runs
-    of one model (sweep.axes), and unknown with `only`."""
+    of one model (sweep.study.axes), and unknown with `only`."""
     records = []
     for path in _run_dirs(results) if only is None else [Path(p) for p in only]:
         config_file = path / CONFIG

@@ -18,9 +18,8 @@ import pytest
 import torch
 import transformers
 
-from trainer.model.logprobs import pack
+from trainer.batch import Rollouts, pack
 from trainer.model.models import ToyModelSpec, build_toy_model, load_model
-from trainer.rollout.base import Rollouts
 
 # vLLM's CPU build traces each engine's model once and runs it eagerly instead of compiling it with
 # inductor, the switch its own CPU CI uses: a SmolLM2 engine started in 3 to 4 minutes of compiling

@@ -27,7 +27,7 @@ def write_run(results: Path, run_id: str, estimator: str, placement: str, beta: 
     if complete:
         (run / "COMPLETE").write_text("{}\n")
     if measured is not None:
-        from trainer.audits.objective_measure import summarize
+        from trainer.measure.objective import summarize
 
         line = summarize(len(rewards), None if placement == "none" else beta, REFERENCE_HISTOGRAMS,
                          {"reward": measured[0], "kl": measured[1]}, samples=4)  # as training writes it

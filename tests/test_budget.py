@@ -1,4 +1,4 @@
-"""The plan's budget (sweep.budget): training priced by steps x seconds per step x GPUs, the seconds measured
+"""The plan's budget (sweep.study.budget): training priced by steps x seconds per step x GPUs, the seconds measured
 on the study's own runs before any estimate; the other jobs bounded by their time limits; and whether the
 executor's signal delay leaves time for a step and the checkpoint, whose size it reckons from the model's
 safetensors headers as the copies of the weights the train state saves (checked against checkpoints the trainer
@@ -14,8 +14,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from sweep import budget
-from sweep.grid import load_study
+from sweep.study import budget
+from sweep.study.grid import load_study
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,7 +178,7 @@ def test_the_signal_delay_comes_from_the_command_line_the_environment_the_profil
 
 
 def test_a_budget_for_a_model_the_study_lacks_is_one_clear_error(tmp_path):
-    from sweep.grid import StudyError
+    from sweep.study.grid import StudyError
 
     with pytest.raises(StudyError, match=r"^budget.step_seconds.Qwen7B: not a model of the study \(Qwen2.5-7B, "):
         paper_study(tmp_path, budget={"step_seconds": {"Qwen7B": 30}})

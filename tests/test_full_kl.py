@@ -10,11 +10,11 @@ from rounding import assert_equal_to_rounding, logprob_rounding
 from run_helpers import overrides
 
 from trainer import config as run_config
-from trainer.model.logprobs import CompletionLogprobs, pack
-from trainer.objective import kl
-from trainer.objective.full_kl import HeadInputs, token_kl, token_kl_naive
+from trainer.batch import HeadInputs, Rollouts, pack
+from trainer.model.logprobs import CompletionLogprobs
+from trainer.objective import full_kl, kl
+from trainer.objective.full_kl import token_kl, token_kl_naive
 from trainer.objective.loss import ObjectiveConfig, compute_loss
-from trainer.rollout.base import Rollouts
 
 
 def _head(n, h, v, with_bias, gen):
@@ -59,7 +59,7 @@ def test_shape_errors_name_their_cause():
 
 
 def test_a_model_gives_the_kl_of_its_whole_next_token_distributions(model_and_perturbed_copy):
-    """CompletionLogprobs.with_token_kl against the whole-vocabulary log-probs of both models, float64,
+    """full_kl.logprobs_with_token_kl against the whole-vocabulary log-probs of both models, float64,
     with the same log-probs and gradients as its forward pass; padding stays 0."""
     reference_lm, policy_lm = model_and_perturbed_copy
     tokens = [[10, 11, 12, 13], [14], [15, 16], [17, 18, 19]]
@@ -70,7 +70,7 @@ def test_a_model_gives_the_kl_of_its_whole_next_token_distributions(model_and_pe
     with torch.no_grad():
         states = reference.completion_states(batch)
         whole_ref, _ = reference(batch, whole_vocabulary=True)
-    logp, entropy, kl = policy.with_token_kl(batch, states, with_entropy=True)
+    logp, entropy, kl = full_kl.logprobs_with_token_kl(policy, batch, states, with_entropy=True)
     whole, _ = policy(batch, whole_vocabulary=True)
     expected = (whole.exp() * (whole - whole_ref)).sum(-1) * batch.completion_mask
     assert float((kl - expected).detach().abs().max()) <= 2 * logprob_rounding(policy_lm, torch.float64)
@@ -103,7 +103,7 @@ def test_bf16_full_kl_gradient_is_that_of_its_own_forward_pass(confident_model):
             if chunked:
                 with torch.no_grad():
                     states = reference.completion_states(batch)
-                kl = policy.with_token_kl(batch, states)[2]
+                kl = full_kl.logprobs_with_token_kl(policy, batch, states)[2]
             else:
                 whole = policy(batch, whole_vocabulary=True)[0]
                 with torch.no_grad():

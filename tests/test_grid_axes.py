@@ -9,7 +9,7 @@ import pytest
 import yaml
 from snakemake.utils import update_config
 
-from sweep.grid import StudyError, load_study
+from sweep.study.grid import StudyError, load_study
 from trainer import config as run_config
 
 REPO = Path(__file__).resolve().parent.parent

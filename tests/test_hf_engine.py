@@ -12,7 +12,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from trainer import config as run_config
-from trainer.model.logprobs import completion_logprobs, pack
+from trainer.batch import pack
+from trainer.model.logprobs import completion_logprobs
 from trainer.model.models import load_model, load_tokenizer
 from trainer.rollout import decoding
 from trainer.rollout.base import SamplingParams, sample_seeds

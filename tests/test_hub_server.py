@@ -216,15 +216,15 @@ def test_lm_eval_reads_data_sets_by_hub_id(hub, smollm2, tmp_path):
     assert "/datasets/HuggingFaceH4/MATH-500/resolve/" in log and "/datasets/cais/mmlu/resolve/" in log
 
 
-PARAMETERS = "import json, sys; from sweep.budget import hub_parameter_count; " \
+PARAMETERS = "import json, sys; from sweep.study.budget import hub_parameter_count; " \
              "print('REPORT', json.dumps([hub_parameter_count(hub_id) for hub_id in sys.argv[1:]]))"
 
 
 def test_the_plan_reads_a_hub_models_size_from_its_headers(hub, smollm2, tmp_path):
-    """The dry run's checkpoint check (sweep.budget) sizes a model the cache lacks from the safetensors
+    """The dry run's checkpoint check (sweep.study.budget) sizes a model the cache lacks from the safetensors
     headers the hub serves: the paper's 7B stand-in counts as the weights it is; a gated model without a
     token, and any model offline, count as unknown."""
-    from sweep.budget import _tensor_elements
+    from sweep.study.budget import _tensor_elements
 
     local = sum(_tensor_elements(path) for path in Path(smollm2).glob("*.safetensors"))
     counts = report(client(PARAMETERS, hub.env(tmp_path / "hf"), hub.stand_ins[0], hub.gated_id))

@@ -12,6 +12,7 @@ from tiny_models import ragged_batch, tiny_lm
 
 from trainer.model.lean_head import lean_head
 from trainer.model.logprobs import CompletionLogprobs, completion_logprobs
+from trainer.objective import full_kl
 
 
 @pytest.mark.parametrize("config_class,extra,scale", [
@@ -74,7 +75,7 @@ def test_the_full_kl_of_a_scaled_head_is_that_of_its_own_logits():
         states = reference.completion_states(batch)
         whole_ref, _ = reference(batch, whole_vocabulary=True)
     assert states.scale == 1 / 8
-    _, _, kl = policy.with_token_kl(batch, states)
+    _, _, kl = full_kl.logprobs_with_token_kl(policy, batch, states)
     whole, _ = policy(batch, whole_vocabulary=True)
     expected = (whole.exp() * (whole - whole_ref)).sum(-1) * batch.completion_mask
     assert float((kl - expected).detach().abs().max()) <= 1e-12 * float(expected.detach().abs().max())

@@ -10,10 +10,10 @@ from tiny_models import ragged_batch, tiny_lm
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from trainer.batch import Rollouts, pack
 from trainer.model.chunked_logprobs import ROWS, token_logprobs
-from trainer.model.logprobs import completion_logprobs, pack
+from trainer.model.logprobs import completion_logprobs
 from trainer.model.models import load_model
-from trainer.rollout.base import Rollouts
 
 
 def naive(hidden, weight, bias, targets, temperature):

@@ -12,8 +12,8 @@ from browser_required import PlaywrightTimeout, browser, require_browser, screen
 from study_fixture import write_offpolicy_study, write_study
 from test_tracking import PASSWORD, free_port, start_server, stop_server
 
-from sweep.report import report
-from sweep.tracking import LOCAL_UI, sync
+from sweep.report.build import report
+from sweep.tracking.experiment import LOCAL_UI, sync
 
 COLUMNS = ["klstudy.config_label", "klstudy.model", "klstudy.beta", "klstudy.objective.kl_loss_ratio",
            "klstudy.train.async_level", "klstudy.seed", "eval/all/arith/pass_at_1", "objective/gap", "objective/kl",

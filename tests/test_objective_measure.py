@@ -7,12 +7,12 @@ from rounding import logprob_rounding, rounding
 
 from eval.verify import Verifier
 from trainer import config as run_config
-from trainer.audits.objective_measure import ObjectiveProbe, histogram, sequence_kl
-from trainer.audits.optimum import optimal_value
+from trainer.batch import Rollouts, pack
 from trainer.distributed import World
-from trainer.model.logprobs import CompletionLogprobs, completion_logprobs, pack
+from trainer.measure.objective import ObjectiveProbe, histogram, sequence_kl
+from trainer.measure.optimum import optimal_value
+from trainer.model.logprobs import CompletionLogprobs, completion_logprobs
 from trainer.model.models import load_model, load_tokenizer
-from trainer.rollout.base import Rollouts
 from trainer.rollout.hf import HFEngine
 
 

@@ -142,9 +142,9 @@ def test_jobs_run_offline_and_never_see_the_token(hub, tmp_path):
 
 
 def test_a_job_that_reaches_for_the_hub_fails_at_once(hub, tmp_path):
-    """What sweep.job_env gives a job: the hub at a closed port and offline, so a download that was not
+    """What sweep.hub.job_env gives a job: the hub at a closed port and offline, so a download that was not
     fetched fails loudly (here a data set of the test hub, in a job's environment)."""
-    from sweep.job_env import make_offline
+    from sweep.hub.job_env import make_offline
 
     env = with_repo(hub.env(tmp_path / "hf"))
     make_offline(env)

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from trainer.audits.optimum import (
+from trainer.measure.optimum import (
     frontier,
     mean_se,
     objective_gap,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from sweep import configfiles
-from sweep.grid import load_study
+from sweep.study import configfiles
+from sweep.study.grid import load_study
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = [REPO / "workflow" / "config" / "paper.yaml", REPO / "workflow" / "config" / "paper_cpu.yaml"]

@@ -9,12 +9,20 @@ import torch
 from trainer.audits import moving_targets, peers_audit, tabular
 from trainer.audits.audit import gradient_audit
 from trainer.audits.enumeration import AuditInstance, rel_error
+from trainer.batch import HeadInputs
 from trainer.objective import kl
 from trainer.objective.engine_weights import engine_weights
 from trainer.objective.entropy_bonus import token_entropy
-from trainer.objective.full_kl import HeadInputs
 from trainer.objective.kl_coefficient import KLCoefficient
-from trainer.objective.loss import ObjectiveConfig, batch_advantages, compute_loss, policy_loss, reward_kl
+from trainer.objective.loss import (
+    LossRows,
+    ObjectiveConfig,
+    PolicyPass,
+    batch_advantages,
+    compute_loss,
+    policy_loss,
+    reward_kl,
+)
 from trainer.objective.reference_refresh import mix_
 
 TOKEN_REWARDS = ("reward", "reward-to-go", "reward-to-go+loss", "reward-token")
@@ -66,8 +74,8 @@ def test_per_token_kl_rewards_split_over_parts_as_one_batch():
         assert token_kl.shape == (8, 5) and float(token_kl[1, 3:].abs().sum()) == 0.0
         adv = batch_advantages(rewards, token_kl, 4, config)
         totals = (8, float(mask.sum()))
-        parts = [policy_loss(logp[rows], ref[rows], None, adv.values[rows], mask[rows], config, totals)[0]
-                 for rows in (slice(0, 4), slice(4, 8))]
+        parts = [policy_loss(PolicyPass(logp[rows]), LossRows(ref[rows], mask[rows], adv.values[rows]), config,
+                             totals)[0] for rows in (slice(0, 4), slice(4, 8))]
         (part_grad,) = torch.autograd.grad(sum(parts), logp)
         assert float(sum(parts).detach()) == pytest.approx(float(whole.detach()), rel=1e-12)
         assert torch.allclose(part_grad, grad, rtol=1e-12, atol=1e-14)

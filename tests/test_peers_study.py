@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sweep import axes
-from sweep.grid import StudyError, load_study
-from sweep.table import Cell, Group, _mark_significance
+from sweep.report.table import Cell, Group, _mark_significance
+from sweep.study import axes
+from sweep.study.grid import StudyError, load_study
 from trainer import config as run_config
 from trainer.objective import presets
 from trainer.objective.objective_config import ObjectiveConfig

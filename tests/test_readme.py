@@ -12,7 +12,7 @@ running it:
   `--help` shows.
 - `snakemake ...`: Snakemake's own command-line parser, with the profile; each --configfile must
   exist, and the study they make, merged in order as Snakemake merges them (an override file over a
-  study), must pass the Snakefile's check (sweep.study_check).
+  study), must pass the Snakefile's check (sweep.study.study_check).
 - `mlflow ...`: MLflow's click command reads the options.
 - `make TARGET`: `make -n` knows the target. `pip install -e ".[x]"`: pyproject declares extra x.
   `profiles/slurm/local-cluster.sh X`, `benchmarks/smol_gpu.sh X`: its usage line lists X.
@@ -211,7 +211,7 @@ def check_snakemake(words: list[str], label: str, monkeypatch) -> None:
     from snakemake.cli import parse_args
     from snakemake.utils import update_config
 
-    from sweep.study_check import check_study
+    from sweep.study.study_check import check_study
 
     monkeypatch.chdir(REPO)
     with contextlib.redirect_stderr(io.StringIO()) as err:

@@ -5,9 +5,9 @@ import csv
 import pytest
 from study_fixture import write_offpolicy_study, write_run, write_study
 
-from sweep.report import report
+from sweep.report.build import report
+from sweep.report.table import instability, summarize
 from sweep.runs import load_runs
-from sweep.table import instability, summarize
 
 
 def test_table_cells_are_mean_and_std_over_seeds_with_the_best_in_bold(tmp_path):
@@ -78,8 +78,8 @@ def test_the_objective_columns_the_reference_row_and_paired_significance(tmp_pat
 
     import scipy.stats
 
-    from sweep.table import paired_p_value
-    from trainer.audits.optimum import optimal_value
+    from sweep.report.table import paired_p_value
+    from trainer.measure.optimum import optimal_value
 
     results = tmp_path / "results"
     for seed, kl in ((0, 0.1), (1, 0.3)):
@@ -158,7 +158,7 @@ def test_any_axis_in_the_columns_and_a_bad_one_named(tmp_path):
 
 
 def test_the_report_styles_every_registered_choice_and_any_other_name():
-    from sweep import styles
+    from sweep.report import styles
     from trainer.objective import estimators, placements
 
     assert set(styles.ESTIMATORS) == set(estimators.REGISTRY.names)

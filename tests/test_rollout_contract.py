@@ -11,9 +11,10 @@ import torch
 from rounding import logprob_rounding
 from vllm_required import require_vllm
 
-from trainer.model.logprobs import completion_logprobs, pack
+from trainer.batch import Rollouts, pack
+from trainer.model.logprobs import completion_logprobs
 from trainer.model.models import load_model, load_tokenizer
-from trainer.rollout.base import Rollouts, SamplingParams, sample_seeds
+from trainer.rollout.base import SamplingParams, sample_seeds
 
 
 def _hf(model, tokenizer, model_dir):

@@ -1,4 +1,4 @@
-"""Each run's config as the file its training job reads (sweep.run_configs): the study's config of the
+"""Each run's config as the file its training job reads (sweep.study.run_configs): the study's config of the
 run exactly, written once, rewritten only when it changes."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from sweep import run_configs
-from sweep.grid import load_study
+from sweep.study import run_configs
+from sweep.study.grid import load_study
 from trainer import config as run_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -9,7 +9,8 @@ import pytest
 import torch
 from vllm_required import require_vllm
 
-from trainer.model.logprobs import completion_logprobs, pack
+from trainer.batch import pack
+from trainer.model.logprobs import completion_logprobs
 from trainer.model.models import load_model, load_tokenizer
 from trainer.rollout.base import SamplingParams, sample_seeds
 from trainer.tasks import make_task

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 from test_workflow import LOCAL, REPO, SNAKEMAKE
 
-from sweep import configfiles
-from sweep.grid import load_study
+from sweep.study import configfiles
+from sweep.study.grid import load_study
 from trainer.run_files import read_metrics
 
 CONFIGS = [REPO / "workflow" / "config" / "smol.yaml", REPO / "workflow" / "config" / "smol_cpu.yaml"]

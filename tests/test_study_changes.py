@@ -64,7 +64,7 @@ def finished(tmp_path, finished_quick_study):
 
 
 def data_name(study: dict) -> str:
-    from sweep.grid import load_study
+    from sweep.study.grid import load_study
 
     return str(load_study(study).data_file("heldout"))
 
@@ -155,8 +155,8 @@ def test_a_second_shipped_study_on_the_same_results_directory_is_refused_and_the
 
 def test_the_shipped_studies_have_results_directories_of_their_own():
     """No two shipped study configs (and the override files with their base) share a results directory."""
-    from sweep import configfiles
-    from sweep.grid import load_study
+    from sweep.study import configfiles
+    from sweep.study.grid import load_study
 
     config = REPO / "workflow" / "config"
     grown = {"toy_seeds.yaml": ["toy.yaml"], "toy_betas.yaml": ["toy.yaml"], "toy_quick_seed1.yaml": ["toy_quick.yaml"],

@@ -1,6 +1,6 @@
-"""A study config is checked whole before anything runs (sweep.study_check, sweep.config_schema): each
+"""A study config is checked whole before anything runs (sweep.study.study_check, sweep.study.config_schema): each
 problem in one line that names the key; a YAML error with its file, line and column; model paths and
-devices against GPUs; and the dry run's plan (sweep.plan): each job's resources and sbatch options,
+devices against GPUs; and the dry run's plan (sweep.study.plan): each job's resources and sbatch options,
 and where each run starts."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import test_workflow
 import yaml
 from test_workflow import planned_jobs, snakemake_jobs
 
-from sweep import jobs
-from sweep.config_schema import schema_problem
-from sweep.grid import StudyError, load_study
-from sweep.plan import job_groups, run_state, sbatch_options, slurm_defaults
-from sweep.study_check import check_study, preflight
+from sweep.study import jobs
+from sweep.study.config_schema import schema_problem
+from sweep.study.grid import StudyError, load_study
+from sweep.study.plan import job_groups, run_state, sbatch_options, slurm_defaults
+from sweep.study.study_check import check_study, preflight
 from trainer.run_files import COMPLETE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -156,7 +156,7 @@ def test_every_bad_key_is_one_line_that_names_it(change, message):
 
 
 def test_the_schema_alone_names_keys_too():
-    """What sweep.grid also checks, the schema says in one line of its own (the order of the two checks
+    """What sweep.study.grid also checks, the schema says in one line of its own (the order of the two checks
     decides whose words the user sees)."""
     assert schema_problem(toy(evalute={}), SCHEMA).startswith("evalute: unknown key (known: study, results,")
     assert schema_problem(toy(study=None), SCHEMA) == "study: required (expected a name: letters, digits and . _ + -)"

@@ -1,4 +1,4 @@
-"""The study's grid without Snakemake (sweep.grid, sweep.jobs): run ids, the baseline, include and exclude,
+"""The study's grid without Snakemake (sweep.study.grid, sweep.study.jobs): run ids, the baseline, include and exclude,
 bundles, bad study configs naming their key, the SmolLM2 study's grid. tests/test_workflow.py and
 tests/test_smollm2_study.py run the studies themselves."""
 
@@ -9,10 +9,10 @@ import yaml
 from test_smollm2_study import CONFIGS, RUNS
 from test_workflow import toy_config
 
-from sweep import jobs
-from sweep.checks import merge
-from sweep.grid import StudyError, load_study, run_id, spec_digest
-from sweep.study_check import preflight
+from sweep.study import jobs
+from sweep.study.checks import merge
+from sweep.study.grid import StudyError, load_study, run_id, spec_digest
+from sweep.study.study_check import preflight
 
 
 def test_grid_deduplicates_the_baseline_and_names_runs_stably():

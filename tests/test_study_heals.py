@@ -23,11 +23,11 @@ import yaml
 from test_slurm import SLURM, squeue
 from test_workflow import LOCAL, SNAKEMAKE, from_prepared, write_config
 
-from sweep import changes, jobs, rerun, status
-from sweep.checks import StudyError
-from sweep.evaluations import Expected
-from sweep.grid import load_study
-from sweep.study_check import preflight
+from sweep.study import changes, jobs, rerun, status
+from sweep.study.checks import StudyError
+from sweep.study.evaluations import Expected
+from sweep.study.grid import load_study
+from sweep.study.study_check import preflight
 from trainer.run_files import COMPLETE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent

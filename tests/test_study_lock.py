@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sweep import study_lock
+from sweep.study import study_lock
 
 UNLOCK = ["snakemake", "--snakefile", "/abs/Snakefile", "--directory", "/abs/dir", "--unlock"]
 
@@ -63,7 +63,7 @@ def test_a_failed_unlock_is_one_clear_error(tmp_path):
 def test_the_release_and_the_fetch_command_give_every_config_file_after_one_flag(tmp_path):
     """Snakemake keeps only the last of repeated --configfile flags: a study grown by an override file is both files
     after one flag, or its nested --unlock reads the override alone ('study: required')."""
-    from sweep import fetch
+    from sweep.hub import fetch
 
     base, grown = tmp_path / "study.yaml", tmp_path / "grown.yaml"
     unlock = study_lock.unlock_command(tmp_path / "Snakefile", tmp_path, [base, grown])

@@ -5,9 +5,9 @@ import json
 import pytest
 from study_fixture import write_run
 
-from sweep import study_page
 from sweep.runs import load_runs
-from sweep.tracking import client_for, sync
+from sweep.tracking import study_page
+from sweep.tracking.experiment import client_for, sync
 
 
 def saved_views(client, experiment_id):
@@ -60,7 +60,7 @@ def test_a_tag_two_processes_write_first_at_once_is_not_an_error_for_the_loser()
     experiment_tags.key, experiment_tags.experiment_id'); the tag is there, so the loser goes on."""
     from mlflow.exceptions import MlflowException
 
-    from sweep.concurrent_tags import set_experiment_tag
+    from sweep.tracking.concurrent_tags import set_experiment_tag
 
     class Racing:
         def __init__(self, message):

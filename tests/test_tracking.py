@@ -15,7 +15,7 @@ import pytest
 import test_workflow
 from study_fixture import write_run, write_study
 
-from sweep.tracking import sync
+from sweep.tracking.experiment import sync
 
 
 def client(uri):
@@ -107,22 +107,22 @@ def test_every_axis_is_a_tag_and_runs_synced_before_an_axis_appeared_get_it(tmp_
 def test_a_sync_interrupted_after_creating_a_child_run_is_completed_by_the_next(tmp_path, monkeypatch):
     """A crash between creating a child run and logging its params left a run without params that
     later syncs found and skipped; now the next sync completes it."""
-    import sweep.run_sync
+    import sweep.tracking.run_sync
 
     results = write_study(tmp_path / "results")
     uri = f"sqlite:///{(results / 'mlflow.db').resolve()}"
-    real_params = sweep.run_sync._params
+    real_params = sweep.tracking.run_sync._params
 
     def crash(record):
         raise KeyboardInterrupt("the sync was stopped here")
 
-    monkeypatch.setattr(sweep.run_sync, "_params", crash)
+    monkeypatch.setattr(sweep.tracking.run_sync, "_params", crash)
     with pytest.raises(KeyboardInterrupt):
         sync(results, "fixture")
     (half,), _ = child_runs(uri, "fixture")
     assert half.data.params == {} and "klstudy.set_up" not in half.data.tags
 
-    monkeypatch.setattr(sweep.run_sync, "_params", real_params)
+    monkeypatch.setattr(sweep.tracking.run_sync, "_params", real_params)
     report = sync(results, "fixture")
     assert report.runs_created == 4  # the interrupted one is completed, not created twice
     children, _ = child_runs(uri, "fixture")
@@ -153,8 +153,8 @@ def test_several_processes_syncing_at_once_lose_nothing(tmp_path):
 
 def _set_up_at_the_barrier(uri, results, run_ids, barrier, errors):
     """One of several processes that set up the same child runs, released together for each."""
-    from sweep.run_sync import SyncReport, _set_up
     from sweep.runs import load_runs
+    from sweep.tracking.run_sync import SyncReport, _set_up
 
     record = load_runs(Path(results))[0]
     for run_id in run_ids:
@@ -197,7 +197,7 @@ def test_a_param_that_differs_from_the_one_logged_is_still_an_error(tmp_path):
     from mlflow.entities import Param
     from mlflow.exceptions import MlflowException
 
-    from sweep.run_sync import _log_params
+    from sweep.tracking.run_sync import _log_params
 
     uri = f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
     run_id = client(uri).create_run(client(uri).create_experiment("conflict")).info.run_id
@@ -288,8 +288,8 @@ def test_the_study_is_one_click_away_in_a_real_server(tmp_path, server):
     """What the UI can show, checked through the REST API the UI itself calls: the saved view that the
     link opens filters the grid points, which carry their key metrics; the parent run's note is the
     results table, and its artifacts hold the tables and figures."""
-    from sweep.report import report
-    from sweep.study_page import GRID_POINTS
+    from sweep.report.build import report
+    from sweep.tracking.study_page import GRID_POINTS
 
     uri = f"http://127.0.0.1:{server}"
     results = write_study(tmp_path / "results")
@@ -324,7 +324,7 @@ def test_a_followers_round_syncs_its_own_runs_and_one_with_nothing_new_asks_the_
     child only, and a round with nothing new sends no request (the run's synced-state record and its
     files agree). It used to sync every run of the study each round, 4 requests per run when nothing
     was new."""
-    from sweep.tracking import follow
+    from sweep.tracking.experiment import follow
 
     port, log = served
     uri = f"http://127.0.0.1:{port}"
@@ -354,7 +354,7 @@ def test_a_followers_round_syncs_its_own_runs_and_one_with_nothing_new_asks_the_
 NO_SHARED_LOCK = """
 import fcntl, runpy, sys, time
 fcntl.flock = lambda *args: None
-import mlflow.tracking, sweep.tracking
+import mlflow.tracking, sweep.tracking.experiment
 time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
 sys.argv = ["sweep", *sys.argv[2:]]
 runpy.run_module("sweep", run_name="__main__")
@@ -410,10 +410,10 @@ def test_the_track_job_checks_each_run_against_the_server_and_rebuilds_what_it_l
 
 
 def test_a_point_rerun_from_scratch_replaces_its_child_run(tmp_path):
-    """`--config rerun=...` moves a run directory aside (sweep.rerun): the next sync deletes the old child run
+    """`--config rerun=...` moves a run directory aside (sweep.study.rerun): the next sync deletes the old child run
     (restorable in MLflow) and logs the new run's steps into a new one, so the study keeps one row per point.
     Before, the new directory adopted the old child by its tags, and its first steps were taken as logged."""
-    from sweep import sync_records
+    from sweep.tracking import sync_records
 
     results = write_study(tmp_path / "results")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -577,7 +577,7 @@ def test_a_server_that_does_not_allow_the_clients_host_name_says_so_and_how_to_a
 
 
 def test_credentials_written_into_a_uri_are_never_shown():
-    from sweep.tracking import public_uri, runs_page
+    from sweep.tracking.experiment import public_uri, runs_page
 
     assert public_uri("http://admin:pw@example.org:5000/") == "http://example.org:5000/"
     assert public_uri("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"

@@ -224,9 +224,10 @@ def test_minibatches_and_epochs_make_several_off_policy_updates_per_batch(warm_m
     seen = []
     real = step.policy_loss
 
-    def recording(logp, ref_logp, old_logp, adv, mask, objective, **rest):
-        seen.append((logp.shape[0], old_logp is not None, float(((logp.detach() - old_logp).abs() * mask).max())))
-        return real(logp, ref_logp, old_logp, adv, mask, objective, **rest)
+    def recording(current, rows, *args, **rest):
+        logp, old_logp = current.logp.detach(), rows.old_logp
+        seen.append((logp.shape[0], old_logp is not None, float(((logp - old_logp).abs() * rows.mask).max())))
+        return real(current, rows, *args, **rest)
 
     monkeypatch.setattr(step, "policy_loss", recording)
     line = run.run_step()
@@ -291,9 +292,9 @@ def test_a_paper_presets_step_takes_mu_from_the_trainer_and_each_rows_prompt_len
         batches.append(real_batch(*args))
         return batches[-1]
 
-    def recording_loss(*args, **rest):
-        prompts.append(rest["prompt_lengths"])
-        return real_loss(*args, **rest)
+    def recording_loss(current, rows, *args, **rest):
+        prompts.append(rows.prompt_lengths)
+        return real_loss(current, rows, *args, **rest)
 
     monkeypatch.setattr(step, "step_batch", recording_batch)
     monkeypatch.setattr(step, "policy_loss", recording_loss)
@@ -385,7 +386,7 @@ def test_a_sigterm_in_a_runs_last_step_completes_it_and_train_runs_starts_no_oth
     requeue check found the next run trained to its end inside that period.)"""
     from trainer.run import loop
 
-    steps, real_step = 2, loop.run_step
+    steps, real_step = 2, loop.Run.run_step
 
     def signalled_in_the_last_step(run):
         line = real_step(run)
@@ -393,7 +394,7 @@ def test_a_sigterm_in_a_runs_last_step_completes_it_and_train_runs_starts_no_oth
             os.kill(os.getpid(), signal.SIGTERM)  # lands in the handler of train-runs' one SigtermFlag
         return line
 
-    monkeypatch.setattr(loop, "run_step", signalled_in_the_last_step)
+    monkeypatch.setattr(loop.Run, "run_step", signalled_in_the_last_step)
     short = {"train.steps": steps, "checkpoint.every": 1}
     plan = {str(tmp_path / "a"): overrides(warm_model, **short), str(tmp_path / "b"): overrides(warm_model, **short)}
     result = trainer_in_process("train-runs", "--plan", json.dumps(plan))

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from run_helpers import default_sigint
 
-from sweep.grid import load_study
+from sweep.study.grid import load_study
 from trainer.run_files import COMPLETE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def from_prepared(directory: Path, prepared: Path) -> None:
     still runs every other job of its own."""
     mine, theirs = (yaml.safe_load((d / "study.yaml").read_text()) for d in (directory, prepared))
     assert {k: mine[k] for k in ("models", "data")} == {k: theirs[k] for k in ("models", "data")}
-    # not its config files, nor its claim on the directory (sweep.owner: the study here has a name of its own)
+    # not its config files, nor its claim on the directory (sweep.study.owner: the study here has a name of its own)
     shutil.copytree(prepared / "results", directory / "results", ignore=shutil.ignore_patterns("configs", "study.json"))
     shutil.copytree(prepared / ".snakemake" / "metadata", directory / ".snakemake" / "metadata")
 
@@ -110,7 +110,7 @@ def _jobs(log: str, rule: str) -> list[tuple[str, str]]:
 
 
 def planned_jobs(stdout: str) -> dict[str, int]:
-    """The jobs of each stage (prepare, train, evaluate, track, report) in a dry run's plan (sweep.plan)."""
+    """The jobs of each stage (prepare, train, evaluate, track, report) in a dry run's plan (sweep.study.plan)."""
     jobs: dict[str, int] = {}
     for stage, count in re.findall(r"^    (\w+)(?:, [^:]+)?: (\d+) jobs?$", stdout, re.M):
         jobs[stage] = jobs.get(stage, 0) + int(count)
@@ -146,14 +146,14 @@ def tree(directory: Path) -> dict[str, tuple[int, int]]:
 
 def test_bad_study_config_stops_snakemake_before_any_job(tmp_path):
     config = json.loads(json.dumps(REDUCED))
-    config["run"]["train"]["stepz"] = 3  # the JSON schema lets run sections through; sweep.grid does not
+    config["run"]["train"]["stepz"] = 3  # the JSON schema lets run sections through; sweep.study.grid does not
     result = snakemake(tmp_path, write_config(tmp_path, config))
     assert result.returncode != 0
     assert "run.train.stepz: unknown key" in result.stderr + result.stdout
     assert not (tmp_path / "results").exists()  # nothing ran
 
     config = json.loads(json.dumps(REDUCED))
-    config["grid"]["placements"] = ["everywhere"]  # sweep.grid checks the names against the trainer's registries
+    config["grid"]["placements"] = ["everywhere"]  # sweep.study.grid checks the names against the trainer's registries
     result = snakemake(tmp_path, write_config(tmp_path, config))
     assert result.returncode != 0 and "everywhere" in result.stderr + result.stdout
     assert not (tmp_path / "results").exists()
@@ -174,7 +174,8 @@ def test_paper_dry_run_lists_the_full_grid(tmp_path, name, runs, suites, checkpo
     assert counts["evaluate"] == (runs + checkpoints) * suites  # final models and checkpoints
     assert counts["fetch_model"] == len(yaml.safe_load((REPO / "workflow" / "config" / f"{name}.yaml").read_text())
                                         ["models"])
-    assert planned_jobs(result.stdout) == snakemake_jobs(counts)  # the dry run's plan (sweep.plan) counts the same
+    # the dry run's plan (sweep.study.plan) counts the same
+    assert planned_jobs(result.stdout) == snakemake_jobs(counts)
     assert not (tmp_path / "results").exists()
     print(f"{name}.yaml dry run: {elapsed:.1f} s")
 

@@ -18,8 +18,7 @@ def tiny_lm(config_class: str, seed: int = 0, dtype: torch.dtype = torch.float64
 
 def ragged_batch():
     """Two prompts x two completions of 4, 1, 2 and 3 tokens, packed (pad id 0): token ids below 20."""
-    from trainer.model.logprobs import pack
-    from trainer.rollout.base import Rollouts
+    from trainer.batch import Rollouts, pack
 
     tokens = [[10, 11, 12, 13], [14], [15, 16], [17, 18, 19]]
     rollouts = Rollouts(prompt_ids=[[5, 6, 7], [8, 9]], n=2, token_ids=tokens,

@@ -1,5 +1,5 @@
 """What a run's checkpoint holds, in copies of its weights: free of torch, so that the study's budget
-(sweep.budget) prices what the train state saves (trainer.run.state.checkpoint_state asks
+(sweep.study.budget) prices what the train state saves (trainer.run.state.Checkpoints.state asks
 `holds_reference` whether to save the reference)."""
 
 from __future__ import annotations

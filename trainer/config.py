@@ -96,7 +96,7 @@ class VerifierConfig:
 
 @dataclass(frozen=True)
 class MeasureConfig:
-    """The regularized objective measured on held-out prompts (trainer.audits.objective_measure)."""
+    """The regularized objective measured on held-out prompts (trainer.measure.objective)."""
 
     prompts: int = 0                # held-out prompts (0: no measurement)
     samples: int = 16               # the policy's completions per prompt at each measurement

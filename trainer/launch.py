@@ -34,7 +34,7 @@ def srun_step(nodes: int = 1, gpus: int = 0, tasks: int = 1, cpus: int = 1) -> t
     """(processes per node, CPUs per process) of the SLURM job step a training job of these resources starts
     (see `job_command`), or None for a job that starts none (one node with its GPUs, or one CPU task). Each
     process gets an even share of its node's CPUs, and one at least: with fewer CPUs than processes per node
-    the step asks more than its job holds (sweep.study_check refuses such a config)."""
+    the step asks more than its job holds (sweep.study.study_check refuses such a config)."""
     nodes, tasks, cpus = int(nodes), max(1, int(tasks)), max(1, int(cpus))
     if nodes == 1 and (gpus or tasks == 1):
         return None

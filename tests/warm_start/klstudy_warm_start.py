@@ -82,8 +82,8 @@ _LIBRARIES = ("torch", "transformers", "transformers.models.llama.modeling_llama
               "safetensors.torch", "yaml", "numpy")
 PRELOAD = {"trainer": ("trainer.__main__:_quiet_libraries", *_LIBRARIES),
            "eval": ("eval", *_LIBRARIES, "lm_eval", "lm_eval.evaluator", "lm_eval.models.huggingface"),
-           "sweep": ("sweep.figures:_pyplot", "sweep.tracking", "sweep.report", "mlflow", "mlflow.tracking",
-                     "mlflow.store.tracking.sqlalchemy_store", "scipy.stats")}
+           "sweep": ("sweep.report.figures:_pyplot", "sweep.tracking.experiment", "sweep.report.build", "mlflow",
+                     "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "scipy.stats")}
 STOP_POLL_S = 0.1  # how often a reaper looks whether its client is stopped
 IDLE_S = 300.0  # a zygote that has forked nothing for this long exits (each holds 0.3-0.5 GB of its own)
 # How long a client waits for a new zygote's imports, and then for its reaper (KLSTUDY_WARM_READY_S: a test's).

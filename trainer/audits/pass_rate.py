@@ -48,7 +48,7 @@ def measure(engine: RolloutEngine, tokenizer, task: Task, options: dict[str, Any
             kl_between: tuple[Any, Any] | None = None) -> Measurement:
     """`params.n` samples of problems 0..problems-1 of `task`, `batch` problems per generate(); with
     `kl_between` (the sampling policy's LM and a reference LM, on one device), also the responses' mean
-    KL(pi || pi_ref) (trainer.audits.objective_measure.sequence_kl)."""
+    KL(pi || pi_ref) (trainer.measure.objective.sequence_kl)."""
     t0 = time.perf_counter()
     per_problem, texts, tokens, stops, kls = [], [], 0, 0, []
     for start in range(0, problems, batch):
@@ -70,7 +70,7 @@ def measure(engine: RolloutEngine, tokenizer, task: Task, options: dict[str, Any
 
 
 def _sequence_kl(models: tuple[Any, Any], rollouts, pad_id: int, params: SamplingParams) -> list[float]:
-    from trainer.audits.objective_measure import sequence_kl
+    from trainer.measure.objective import sequence_kl
     from trainer.model.logprobs import CompletionLogprobs
 
     policy, reference = (CompletionLogprobs(lm, params.temperature) for lm in models)

@@ -29,7 +29,7 @@ DEFAULT_CHUNK = 1024
 ROWS = 64  # rows of a chunk whose log-sum-exp scratch and probabilities exist at once
 
 
-def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+def head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
     """One chunk's logits in the compute dtype; in place wherever possible (one [chunk, V] buffer)."""
     logits = hidden @ weight.T
     if bias is not None:
@@ -103,7 +103,7 @@ def _forward_chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets:
                    logp: Tensor, lse: Tensor, entropy: Tensor | None) -> None:
     """One chunk's log-probabilities and log-sum-exps (and entropies), written into the given rows, `ROWS`
     rows of its logits at a time."""
-    logits = _logits(hidden, weight, bias, temperature)
+    logits = head_logits(hidden, weight, bias, temperature)
     for start in range(0, logits.shape[0], ROWS):
         rows = slice(start, start + ROWS)
         block = logits[rows]
@@ -119,7 +119,7 @@ def _backward_chunk(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
                     grad_bias: Tensor | None) -> None:
     """One chunk's share of the gradients: written into its rows of `grad_hidden`, added to the others."""
     # d logp / d logits = onehot(target) - softmax, then through the temperature
-    grad_logits = _logits(hidden, weight, bias, temperature).sub_(lse[:, None]).exp_()
+    grad_logits = head_logits(hidden, weight, bias, temperature).sub_(lse[:, None]).exp_()
     grad_logits.mul_(-grad_logp[:, None])
     grad_logits.scatter_add_(-1, targets[:, None], grad_logp[:, None])
     grad_logits.div_(temperature)

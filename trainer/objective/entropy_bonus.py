@@ -14,8 +14,9 @@ import math
 import torch
 from torch import Tensor
 
+from trainer.batch import HeadInputs
 from trainer.model.chunked_logprobs import compute_dtype
-from trainer.objective.full_kl import HeadInputs, token_kl
+from trainer.objective.full_kl import token_kl
 
 
 def uniform(states: HeadInputs) -> HeadInputs:
@@ -41,7 +42,7 @@ def logprobs_with_entropy(model, batch, reference: HeadInputs | None = None
     def scatter(flat: Tensor) -> Tensor:
         return torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
 
-    logp = model.logprobs_of(batch, states)
+    logp = model.logprobs_from_states(batch, states)[0]
     entropy = scatter(token_entropy(states, model.temperature, model.chunk))
     kl = None if reference is None else scatter(token_kl(states, reference, model.temperature, model.chunk))
     return logp, kl, entropy

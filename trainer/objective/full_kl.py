@@ -16,30 +16,18 @@ each model's temperature being the sampling temperature divided by its constant 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from trainer.model.chunked_logprobs import DEFAULT_CHUNK, Autocast, _logits, compute_dtype
-
-
-@dataclass
-class HeadInputs:
-    """What one model's next-token distributions at N positions are computed from:
-    log_softmax(scale * (hidden @ weight.T + bias) / temperature)."""
-
-    hidden: Tensor        # [N, H]
-    weight: Tensor        # [V, H]
-    bias: Tensor | None   # [V]
-    scale: float = 1.0    # the constant the model multiplies its output layer's logits by
+from trainer.batch import HeadInputs, PackedBatch, scatter
+from trainer.model.chunked_logprobs import DEFAULT_CHUNK, Autocast, compute_dtype, head_logits
 
 
 def _log_softmaxes(start: int, end: int, policy: tuple, reference: tuple, temperatures: tuple[float, float]
                    ) -> tuple[Tensor, Tensor]:
     """Both models' log-probabilities over the vocabulary at positions start:end."""
-    logp = torch.log_softmax(_logits(policy[0][start:end], policy[1], policy[2], temperatures[0]), dim=-1)
-    ref = torch.log_softmax(_logits(reference[0][start:end], reference[1], reference[2], temperatures[1]), dim=-1)
+    logp = torch.log_softmax(head_logits(policy[0][start:end], policy[1], policy[2], temperatures[0]), dim=-1)
+    ref = torch.log_softmax(head_logits(reference[0][start:end], reference[1], reference[2], temperatures[1]), dim=-1)
     return logp, ref
 
 
@@ -120,7 +108,20 @@ def token_kl(policy: HeadInputs, reference: HeadInputs, temperature: float = 1.0
 
 def token_kl_naive(policy: HeadInputs, reference: HeadInputs, temperature: float = 1.0) -> Tensor:
     """The same from the whole [N, V] logits at once (for tests and the memory benchmark)."""
-    logp = torch.log_softmax(_logits(policy.hidden, policy.weight, policy.bias, temperature / policy.scale), dim=-1)
-    ref = torch.log_softmax(_logits(reference.hidden, reference.weight, reference.bias, temperature / reference.scale),
-                            dim=-1)
+    def log_softmax(states: HeadInputs) -> Tensor:
+        return torch.log_softmax(head_logits(states.hidden, states.weight, states.bias, temperature / states.scale), -1)
+
+    logp, ref = log_softmax(policy), log_softmax(reference)
     return (logp.exp() * (logp - ref)).sum(-1)
+
+
+def logprobs_with_token_kl(model, batch: PackedBatch, reference: HeadInputs, with_entropy: bool = False
+                           ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """A CompletionLogprobs model's log-probs and entropy of a packed batch's sampled tokens (as its forward
+    pass gives them), and the exact KL(pi || pi_ref) over the vocabulary at each completion position
+    ([B, T], 0 on padding), from one pass of the policy; `reference` is the reference's
+    `completion_states` of the same batch. Chunked: never a [B, T, V] tensor."""
+    states = model.completion_states(batch)
+    logp, entropy = model.logprobs_from_states(batch, states, with_entropy)
+    return logp, entropy, scatter(batch.completion_mask.bool(), token_kl(states, reference, model.temperature,
+                                                                        model.chunk))

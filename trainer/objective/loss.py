@@ -21,7 +21,7 @@ from trainer.objective.engine_weights import engine_weights
 from trainer.objective.kl_terms import centred_kl, kl_loss_term, kl_loss_weight, kl_reward_span, reward_kl
 from trainer.objective.objective_config import ObjectiveConfig
 
-__all__ = ["Advantages", "ObjectiveConfig", "advantage_stats",
+__all__ = ["Advantages", "LossRows", "ObjectiveConfig", "PolicyPass", "advantage_stats",
            "aggregate", "batch_advantages", "combine_stats", "compute_loss", "policy_loss", "reward_kl"]
 
 # How combine_stats pools each statistic over a batch's parts (micro-batches, processes):
@@ -179,29 +179,45 @@ def compute_loss(
         if placements.REGISTRY[config.placement].centred and old_logp is not None and not sampler:
             centre_kl = reward_kl(config, old_logp, ref_logp, mask, old_token_kl)  # the group means: the sampler's
     adv = batch_advantages(rewards, sequence_kl, group_size, config, mask, centre_kl)
-    loss, loss_stats = policy_loss(logp, ref_logp, old_logp, adv.values, mask, config, totals, engine_logp,
-                                   token_kl, entropy, stats, prompt_lengths)
+    loss, loss_stats = policy_loss(PolicyPass(logp, token_kl, entropy),
+                                   LossRows(ref_logp, mask, adv.values, old_logp, engine_logp, prompt_lengths),
+                                   config, totals, stats)
     return loss, {**loss_stats, **advantage_stats(adv)} if stats else {}
 
 
-def policy_loss(
-    logp: Tensor,
-    ref_logp: Tensor,
-    old_logp: Tensor | None,
-    adv: Tensor,
-    mask: Tensor,
-    config: ObjectiveConfig,
-    totals: tuple[float, float] | None = None,
-    engine_logp: Tensor | None = None,
-    token_kl: Tensor | None = None,
-    entropy: Tensor | None = None,
-    stats: bool = True,
-    prompt_lengths: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """The loss of some rows given their advantages ([B], or [B, T] with per-token KL rewards; from
-    `batch_advantages`): the policy-gradient term, beta x the KL term where the KL goes in the loss, and
-    minus entropy_coef x the entropy; with the loss statistics (none if not `stats`). The other arguments
-    are `compute_loss`'s."""
+@dataclass(frozen=True)
+class PolicyPass:
+    """What the policy's pass over some rows gives ([B, T] each, 0 on padding): log pi_theta of the sampled
+    tokens, with grad; the exact token KL to the reference (estimator full) and each position's entropy
+    with its gradient (objective.entropy_coef), where the objective needs them."""
+
+    logp: Tensor
+    token_kl: Tensor | None = None
+    entropy: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossRows:
+    """The rows a loss is computed over, as the batch gives them (`compute_loss` says what each holds):
+    the reference's log-probs, the response mask, the advantages ([B], or [B, T] with per-token KL
+    rewards); the behaviour policy's and the engine's log-probs and the prompts' lengths where needed."""
+
+    ref_logp: Tensor
+    mask: Tensor
+    adv: Tensor
+    old_logp: Tensor | None = None
+    engine_logp: Tensor | None = None
+    prompt_lengths: Tensor | None = None
+
+
+def policy_loss(current: PolicyPass, rows: LossRows, config: ObjectiveConfig,
+                totals: tuple[float, float] | None = None, stats: bool = True) -> tuple[Tensor, dict[str, float]]:
+    """The loss of some rows given their advantages (from `batch_advantages`): the policy-gradient term,
+    beta x the KL term where the KL goes in the loss, and minus entropy_coef x the entropy; with the loss
+    statistics (none if not `stats`). `totals` and `stats` are `compute_loss`'s."""
+    logp, token_kl, entropy = current.logp, current.token_kl, current.entropy
+    ref_logp, mask, adv, old_logp = rows.ref_logp, rows.mask, rows.adv, rows.old_logp
+    engine_logp, prompt_lengths = rows.engine_logp, rows.prompt_lengths
     per_token = {"adv": adv} if adv.dim() == 2 else {}
     per_response = {} if per_token else {"adv": adv}
     if prompt_lengths is not None:

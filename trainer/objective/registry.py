@@ -4,7 +4,7 @@ ratios, the aggregations).
 Each choice is registered once, as a spec that holds everything the trainer needs about it: its
 implementation, what it needs and its theory. The config's choices, the study's checks, the audit's
 rows and the logged statistics all read the registry, so a new choice is one registration plus its
-theory and tests (how figures draw it is the report's: sweep.styles). Free of torch: run configs
+theory and tests (how figures draw it is the report's: sweep.report.styles). Free of torch: run configs
 validate in milliseconds.
 """
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from trainer.rollout.base import RolloutEngine, Rollouts, SamplingParams
+from trainer.batch import Rollouts
+from trainer.rollout.base import RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
     import torch

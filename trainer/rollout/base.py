@@ -7,6 +7,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from trainer.batch import Rollouts
+
 FINISH_REASONS = ("stop", "length")
 
 
@@ -27,37 +29,6 @@ class SamplingParams:
             raise ValueError(f"rollout.temperature: must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
-
-
-@dataclass
-class Rollouts:
-    """Completions of prompts, `n` per prompt in consecutive rows.
-
-    token_ids        sampled tokens of each completion (EOS included when it ended on EOS; a
-                     completion cut by a stop string keeps every sampled token)
-    logprobs         behaviour log-probability of each sampled token, under the distribution it was
-                     actually sampled from (temperature and top-p applied)
-    texts            decoded completions, special tokens dropped, cut before the first stop string
-    finish_reasons   "stop" (EOS or a stop string) or "length" (max_new_tokens reached)
-    """
-
-    prompt_ids: list[list[int]]
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    texts: list[str]
-    finish_reasons: list[str]
-    n: int
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def to_state(self) -> dict:
-        """A plain dict (for checkpoints)."""
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_state(cls, state: dict) -> "Rollouts":
-        return cls(**state)
 
 
 def check_seeds(prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int]) -> None:

@@ -18,7 +18,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from trainer.rollout.base import Rollouts, SamplingParams, check_seeds
+from trainer.batch import Rollouts
+from trainer.rollout.base import SamplingParams, check_seeds
 from trainer.rollout.decoding import CompiledDecodingFailed, Decoder
 from trainer.rollout.sampling import RowSampler, sampling_logprobs
 

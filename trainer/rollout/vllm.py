@@ -46,9 +46,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from trainer.batch import Rollouts
 from trainer.config import ConfigError
 from trainer.model.models import checkpoint_format
-from trainer.rollout.base import FINISH_REASONS, Rollouts, SamplingParams, check_seeds
+from trainer.rollout.base import FINISH_REASONS, SamplingParams, check_seeds
 
 if TYPE_CHECKING:
     from trainer.config import RolloutConfig

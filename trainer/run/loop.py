@@ -26,19 +26,20 @@ import numpy as np
 import torch
 
 from eval.verify import Verifier
-from trainer.audits.objective_measure import ObjectiveProbe
 from trainer.config import ConfigError, RunConfig
 from trainer.distributed import World, full_parameters, full_state_dict
 from trainer.lease import Lease, LeaseHeld, LeaseLost
+from trainer.measure.objective import ObjectiveProbe
 from trainer.model.models import load_tokenizer, resolve, save_pretrained_atomic
 from trainer.progress import progress_bar
 from trainer.rollout import make_engine
-from trainer.run import directory, measurement, state
+from trainer.run import directory, state
 from trainer.run.directory import DirectoryTaken
 from trainer.run.errors import EXIT_PREEMPTED, Preempted
+from trainer.run.measurement import ObjectiveMeasurement
 from trainer.run.policies import Policies
 from trainer.run.producer import Producer
-from trainer.run.step import run_step
+from trainer.run.step import Learner, run_step
 from trainer.run_files import METRICS, OBJECTIVE
 from trainer.tasks import Task, make_task
 
@@ -120,10 +121,14 @@ class Run:
             self.engine.sync_weights()
         self.state = state.TrainState.new(c, self.policies.policy)
         self.state.saved_step = resumed[0] if resumed is not None else None
+        self.learner = Learner(self.policies, self.state, c.train, world)
+        self.checkpoints = state.Checkpoints(self.out, c, world, self.tokenizer)
         self.verifier = Verifier(timeout=c.verifier.timeout, workers=c.verifier.workers)
         self.producer = Producer(c, self.task, self.tokenizer, world, self.policies, self.engine, self.verifier)
-        self.probe = ObjectiveProbe(c, self.tokenizer, world) if c.measure.prompts else None
-        self.reference_record: dict[str, Any] | None = None
+        self.measurement = None
+        if c.measure.prompts:
+            probe = ObjectiveProbe(c, self.tokenizer, world)
+            self.measurement = ObjectiveMeasurement(probe, self.engine, self.verifier, self.out, world.main)
         torch.manual_seed(c.train.seed)
         np.random.seed(c.train.seed)
         random.seed(c.train.seed)
@@ -146,7 +151,10 @@ class Run:
         return self.state.step
 
     def run_step(self) -> dict[str, Any]:
-        return run_step(self)
+        return run_step(self.config, self.learner, self.producer, self.engine, self.verifier)
+
+    def save_checkpoint(self) -> None:
+        self.checkpoints.save(self.state, self.policies, self.producer, self.verifier, self.lease)
 
     def release(self) -> None:
         if self.lease is not None:
@@ -155,13 +163,13 @@ class Run:
 
     def _due_for_measurement(self) -> bool:
         every, step = self.config.measure.every, self.state.step
-        return self.probe is not None and (step == self.config.train.steps or (every and step % every == 0))
+        return self.measurement is not None and (step == self.config.train.steps or (every and step % every == 0))
 
     def train(self, sigterm: SigtermFlag) -> None:
         c, main, s = self.config, self.world.main, self.state
-        state.restore(self)
-        if self.probe is not None and s.step < c.train.steps:
-            self.reference_record = measurement.prepare(self)
+        self.checkpoints.restore(self.state, self.policies, self.producer, self.verifier)
+        if self.measurement is not None and s.step < c.train.steps:
+            self.measurement.prepare(s.step)
         metrics_file = (self.out / METRICS).open("a") if main else None
         bar = progress_bar(c.train.steps, "train", show=None if main else False)
         bar.update(s.step)
@@ -169,7 +177,7 @@ class Run:
             if s.step < c.train.steps and sigterm.reached_any(self.world):  # SIGTERM while loading
                 raise Preempted
             while s.step < c.train.steps:
-                metrics = run_step(self)
+                metrics = self.run_step()
                 if metrics_file is not None:
                     self.lease.check()
                     metrics_file.write(json.dumps(metrics) + "\n")
@@ -177,18 +185,19 @@ class Run:
                 bar.update()
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_k3']:.4f}")
                 if self._due_for_measurement():
-                    measured = measurement.measure(self)
+                    beta = s.coefficient.objective(c.objective).beta
+                    measured = self.measurement.measure(s.step, self.policies, beta)
                     if main:
                         with (self.out / OBJECTIVE).open("a") as handle:
                             handle.write(json.dumps(measured) + "\n")
                 stopping = sigterm.reached_any(self.world)  # one collective per step
                 if s.step % c.checkpoint.every == 0 or stopping:
-                    state.save_checkpoint(self)
+                    self.save_checkpoint()
                 if stopping and s.step < c.train.steps:
                     raise Preempted
         except Preempted:
             if s.step and s.saved_step != s.step:
-                state.save_checkpoint(self)
+                self.save_checkpoint()
             raise
         finally:
             bar.close()

@@ -3,13 +3,22 @@ reports lives apart from what it computes."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from trainer.run.loop import Run
-    from trainer.run.step import StepBatch
+from trainer.config import TrainConfig
+from trainer.distributed import World
+from trainer.run.state import TrainState
+from trainer.run.step_batch import StepBatch
+
+
+class StepTimes(NamedTuple):
+    """When the step started, when its rollouts were ready and when it ended (perf_counter seconds)."""
+
+    start: float
+    generated: float
+    end: float
 
 
 def mismatch_sums(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -22,32 +31,34 @@ def mismatch_sums(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: t
             "k3_sum": float(k3.sum()), "tokens": float(mask.sum())}
 
 
-def step_metrics(run: "Run", sb: "StepBatch", updates: list[dict[str, float]], mismatch: dict[str, float],
-                 t0: float, t_gen: float, t_end: float) -> dict[str, Any]:
+def step_metrics(sb: StepBatch, updates: list[dict[str, float]], mismatch: dict[str, float], state: TrainState,
+                 train: TrainConfig, world: World, verifier_counts: dict[str, int], times: StepTimes
+                 ) -> dict[str, Any]:
     """One line of metrics.jsonl: the updates' statistics (already over every process) and the
     step's rewards, lengths, counts and engine mismatch summed over the processes."""
-    config, entry = run.config, sb.entry
-    first_epoch = updates[: config.train.minibatches]
+    entry = sb.entry
+    t0, t_gen, t_end = times
+    first_epoch = updates[: train.minibatches]
     averaged = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "entropy"}
     averaged["entropy"] = sum(u["entropy"] for u in first_epoch) / len(first_epoch)
     averaged["skipped_updates"] = sum(u["skipped_updates"] for u in updates)
-    processes = run.world.gather({
+    processes = world.gather({
         "rewards": entry.rewards, "stops": sum(f == "stop" for f in entry.rollouts.finish_reasons),
         "generated": sum(len(t) for t in entry.rollouts.token_ids), "trained": sb.batch.tokens,
-        "verifier": dict(run.verifier.counts), "mismatch": mismatch})
+        "verifier": dict(verifier_counts), "mismatch": mismatch})
     rewards = [r for p in processes for r in p["rewards"]]
     generated = sum(p["generated"] for p in processes)
-    trained = sum(p["trained"] for p in processes) * config.train.epochs
+    trained = sum(p["trained"] for p in processes) * train.epochs
     verifier = {k: float(sum(p["verifier"].get(k, 0) for p in processes))
                 for k in ("timeouts", "errors", "rejected")}
     mismatch_tokens = max(1.0, sum(p["mismatch"]["tokens"] for p in processes))
     return {
-        "step": run.state.step,
+        "step": state.step,
         "policy_step": entry.policy_step,
         "reward_mean": sum(rewards) / len(rewards),
         "pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards),
         **averaged,
-        "lr": run.state.scheduler.get_last_lr()[0],
+        "lr": state.scheduler.get_last_lr()[0],
         "stop_frac": sum(p["stops"] for p in processes) / len(rewards),
         "mismatch_logp_mean": sum(p["mismatch"]["abs_sum"] for p in processes) / mismatch_tokens,
         "mismatch_logp_max": max(p["mismatch"]["abs_max"] for p in processes),

@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint
+from trainer.batch import HeadInputs, PackedBatch
 from trainer.config import RunConfig
 from trainer.distributed import World, shard
 from trainer.model.dropout import disable_dropout
-from trainer.model.logprobs import CompletionLogprobs, PackedBatch
+from trainer.model.logprobs import CompletionLogprobs
 from trainer.model.models import load_model
-from trainer.objective import entropy_bonus
-from trainer.objective.full_kl import HeadInputs
+from trainer.objective import entropy_bonus, full_kl
 
 
 def _checkpoint_activations(lm) -> None:
@@ -90,7 +90,7 @@ class Policies:
             if not full:
                 return self.reference(batch)[0], None
             states = self.reference.completion_states(batch)
-            return self.reference.logprobs_of(batch, states), states
+            return self.reference.logprobs_from_states(batch, states)[0], states
 
     def sampled_logprobs(self, batch: PackedBatch, with_entropy: bool = False,
                          reference: HeadInputs | None = None, entropy_grad: bool = False
@@ -105,5 +105,5 @@ class Policies:
             logp, entropy = self.logprobs(self.policy, batch, with_entropy)
             return logp, None, entropy
         with self.precision():
-            logp, entropy, token_kl = self.policy.with_token_kl(batch, reference, with_entropy)
+            logp, entropy, token_kl = full_kl.logprobs_with_token_kl(self.policy, batch, reference, with_entropy)
         return logp, token_kl, entropy

@@ -13,11 +13,10 @@ from typing import Any
 import torch
 
 from eval.verify import Verifier, VerifierUnavailable
+from trainer.batch import HeadInputs, PackedBatch, Rollouts, pack
 from trainer.config import RunConfig
 from trainer.distributed import World
-from trainer.model.logprobs import PackedBatch, pack
-from trainer.objective.full_kl import HeadInputs
-from trainer.rollout.base import Rollouts, SamplingParams, sample_seeds
+from trainer.rollout.base import SamplingParams, sample_seeds
 from trainer.run.errors import TrainingError
 from trainer.run.policies import Policies
 from trainer.tasks import DataOrder, Task

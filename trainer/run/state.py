@@ -8,21 +8,22 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from eval.verify import Verifier
 from trainer import checkpoint
 from trainer.checkpoint_copies import holds_reference
 from trainer.config import ConfigError, RunConfig
-from trainer.distributed import full_optimizer_state, full_state_dict, load_full_state_dict, load_optimizer_state
+from trainer.distributed import World, full_optimizer_state, full_state_dict, load_full_state_dict, load_optimizer_state
+from trainer.lease import Lease
 from trainer.objective.kl_coefficient import KLCoefficient
 from trainer.run import directory
-from trainer.run.producer import PendingBatch
-
-if TYPE_CHECKING:
-    from trainer.run.loop import Run
+from trainer.run.policies import Policies
+from trainer.run.producer import PendingBatch, Producer
 
 log = logging.getLogger(__name__)
 
@@ -74,68 +75,79 @@ class TrainState:
         return cls(optimizer, scheduler, KLCoefficient(c.objective))
 
 
-def process_state(run: "Run") -> dict[str, Any]:
+def process_state(producer: Producer, verifier: Verifier) -> dict[str, Any]:
     """What differs between processes: random states, rollouts generated ahead, verifier counts."""
     return {
         "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
-        "pending": [p.to_state() for p in run.producer.pending],
-        "verifier_counts": dict(run.verifier.counts),
+        "pending": [p.to_state() for p in producer.pending],
+        "verifier_counts": dict(verifier.counts),
     }
 
 
-def checkpoint_state(run: "Run") -> dict[str, Any]:
-    """The checkpoint's trainer state, every process joining in the gathers."""
-    s, policies = run.state, run.policies
-    state = {"step": s.step, "data_position": s.data_position, "nonfinite_in_row": s.nonfinite_in_row,
-             "kl_coefficient": s.coefficient.state_dict(),
-             "optimizer": full_optimizer_state(policies.policy, s.optimizer),
-             "scheduler": s.scheduler.state_dict(), "processes": run.world.gather(process_state(run))}
-    if holds_reference(run.config):  # the reference moves: it is part of the run's state
-        state["reference"] = full_state_dict(policies.reference, prefix="lm.")
-    return state
+@dataclass(frozen=True)
+class Checkpoints:
+    """Where a run's checkpoints go and what is saved beside the weights: the run directory, the run config
+    (checkpoint.*, and whether the reference moves), the tokenizer, the process group. `save` and
+    `restore` take the parts whose state a checkpoint holds."""
 
+    out: Path
+    config: RunConfig
+    world: World
+    tokenizer: Any
 
-def save_checkpoint(run: "Run") -> None:
-    """Every process joins in gathering the weights and optimizer state; the main process writes."""
-    c = run.config.checkpoint
-    weights = full_state_dict(run.policies.policy, prefix="lm.")
-    state = checkpoint_state(run)
-    if run.world.main:
-        run.lease.check()
-        checkpoint.save(directory.checkpoints_dir(run.out), run.state.step, run.policies.lm, state, c.keep,
-                        c.keep_every, run.tokenizer, state_dict=weights)
-    run.world.barrier()
-    run.state.saved_step = run.state.step
+    def state(self, train: TrainState, policies: Policies, producer: Producer, verifier: Verifier) -> dict[str, Any]:
+        """The checkpoint's trainer state, every process joining in the gathers."""
+        s = train
+        state = {"step": s.step, "data_position": s.data_position, "nonfinite_in_row": s.nonfinite_in_row,
+                 "kl_coefficient": s.coefficient.state_dict(),
+                 "optimizer": full_optimizer_state(policies.policy, s.optimizer),
+                 "scheduler": s.scheduler.state_dict(),
+                 "processes": self.world.gather(process_state(producer, verifier))}
+        if holds_reference(self.config):  # the reference moves: it is part of the run's state
+            state["reference"] = full_state_dict(policies.reference, prefix="lm.")
+        return state
 
+    def save(self, train: TrainState, policies: Policies, producer: Producer, verifier: Verifier,
+             lease: Lease | None) -> None:
+        """Every process joins in gathering the weights and optimizer state; the main process writes."""
+        c = self.config.checkpoint
+        weights = full_state_dict(policies.policy, prefix="lm.")
+        state = self.state(train, policies, producer, verifier)
+        if self.world.main:
+            lease.check()
+            checkpoint.save(directory.checkpoints_dir(self.out), train.step, policies.lm, state, c.keep,
+                            c.keep_every, self.tokenizer, state_dict=weights)
+        self.world.barrier()
+        train.saved_step = train.step
 
-def restore(run: "Run") -> None:
-    """Continue from the checkpoint whose weights the policies loaded, if any. Without one the run starts
-    over: lines that a run killed before its first checkpoint wrote are dropped."""
-    world, resumed = run.world, run.policies.resumed
-    if resumed is None:
+    def restore(self, train: TrainState, policies: Policies, producer: Producer, verifier: Verifier) -> None:
+        """Continue from the checkpoint whose weights the policies loaded, if any. Without one the run starts
+        over: lines that a run killed before its first checkpoint wrote are dropped."""
+        world, resumed = self.world, policies.resumed
+        if resumed is None:
+            if world.main:
+                directory.truncate_metrics(self.out, 0)
+            return
+        step, state = resumed
+        s = train
+        processes = state.get("processes") or [state]  # a checkpoint from before multi-process runs
+        if len(processes) != world.size:
+            raise ConfigError(f"{directory.checkpoints_dir(self.out)}/step_{step} was written by {len(processes)} "
+                              f"training process(es); resume it with as many, not {world.size}")
+        s.step, s.data_position = state["step"], state["data_position"]
+        s.nonfinite_in_row = state["nonfinite_in_row"]
+        if "kl_coefficient" in state:
+            s.coefficient.load_state_dict(state["kl_coefficient"])
+        if holds_reference(self.config):
+            load_full_state_dict(policies.reference, state["reference"], prefix="lm.")
+        load_optimizer_state(policies.policy, s.optimizer, state["optimizer"])
+        s.scheduler.load_state_dict(state["scheduler"])
+        mine = processes[world.rank]
+        torch.set_rng_state(mine["torch_rng"])
+        np.random.set_state(mine["numpy_rng"])
+        random.setstate(mine["python_rng"])
+        producer.pending = deque(PendingBatch.from_state(p) for p in mine["pending"])
+        verifier.counts.update(mine["verifier_counts"])
         if world.main:
-            directory.truncate_metrics(run.out, 0)
-        return
-    step, state = resumed
-    s = run.state
-    processes = state.get("processes") or [state]  # a checkpoint from before multi-process runs
-    if len(processes) != world.size:
-        raise ConfigError(f"{directory.checkpoints_dir(run.out)}/step_{step} was written by {len(processes)} "
-                          f"training process(es); resume it with as many, not {world.size}")
-    s.step, s.data_position = state["step"], state["data_position"]
-    s.nonfinite_in_row = state["nonfinite_in_row"]
-    if "kl_coefficient" in state:
-        s.coefficient.load_state_dict(state["kl_coefficient"])
-    if holds_reference(run.config):
-        load_full_state_dict(run.policies.reference, state["reference"], prefix="lm.")
-    load_optimizer_state(run.policies.policy, s.optimizer, state["optimizer"])
-    s.scheduler.load_state_dict(state["scheduler"])
-    mine = processes[world.rank]
-    torch.set_rng_state(mine["torch_rng"])
-    np.random.set_state(mine["numpy_rng"])
-    random.setstate(mine["python_rng"])
-    run.producer.pending = deque(PendingBatch.from_state(p) for p in mine["pending"])
-    run.verifier.counts.update(mine["verifier_counts"])
-    if world.main:
-        directory.truncate_metrics(run.out, step)
-    log.info("resumed from checkpoint step_%d", step)
+            directory.truncate_metrics(self.out, step)
+        log.info("resumed from checkpoint step_%d", step)

@@ -1,17 +1,17 @@
 # evaluate: every final model on every suite of the study (and, with evaluate.every = N, every
 # N-th checkpoint too), through lm-eval with the same verifier as the training rewards. One job per
 # pending evaluation, or `bundle.evaluate` pending evaluations of one model and suite per job (one
-# `python -m eval run` process with a --model/--out/--seed/--model-record per evaluation: sweep.evaluations).
+# `python -m eval run` process with a --model/--out/--seed/--model-record per evaluation: sweep.study.evaluations).
 # A finished evaluation (its metrics.json, written last) is in no job; Snakemake sees each evaluation through
-# its `.done` file (sweep.jobs), which the job writes when it succeeds.
+# its `.done` file (sweep.study.jobs), which the job writes when it succeeds.
 
 
-from sweep import evaluations
+from sweep.study import evaluations
 
 EVAL_ARGS = {run.run_id: evaluations.shared_arguments(STUDY, run.run_id) for run in STUDY.runs}
 EVAL_DATA = [STUDY.data_file(name) for name in STUDY.data if name in STUDY.evaluate["data"].values()]
 # The evaluations a job may be for: the pending ones in the main process, every one in a job's own
-# (a requeued job may find its evaluation finished: sweep.jobs).
+# (a requeued job may find its evaluation finished: sweep.study.jobs).
 JOB_EVALS = {target.key: target for target in WORK.evaluations}
 
 
@@ -48,7 +48,7 @@ if STUDY.bundle["evaluate"] == 1:
             "{PY} -m eval run --suite {params.suite} {params.args:q} > {log} 2>&1 && touch {output}"
 
 else:
-    for bundle in WORK.evaluate_bundles:  # pending evaluations only, in recorded bundles (sweep.jobs)
+    for bundle in WORK.evaluate_bundles:  # pending evaluations only, in recorded bundles (sweep.study.jobs)
         members = [JOB_EVALS[key] for key in bundle.pending]
         first = STUDY.run(members[0].run)
 

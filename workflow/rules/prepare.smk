@@ -65,14 +65,14 @@ rule import_model:
         "{PY} -m trainer import-gguf {params.source:q} --out {params.out} --ready {output.ready} > {log} 2>&1"
 
 
-from sweep.fetch_job import fetch_model_resources
+from sweep.hub.fetch_job import fetch_model_resources
 
-FETCH_MODEL = fetch_model_resources(STUDY)  # a model check's small job (sweep.fetch_job), not a prepare job's
+FETCH_MODEL = fetch_model_resources(STUDY)  # a model check's small job (sweep.hub.fetch_job), not a prepare job's
 
 
 rule fetch_model:
     """A local model directory, or a hub model that Snakemake's own process fetched into the Hugging Face cache
-    before any job (sweep.fetch), is checked to load offline: a small job (sweep.fetch_job)."""
+    before any job (sweep.hub.fetch), is checked to load offline: a small job (sweep.hub.fetch_job)."""
     output:
         ready=RESULTS / "models" / "{model}.ready",
     wildcard_constraints:

@@ -1,9 +1,9 @@
 # train: one job per pending grid point, or `bundle.train` pending grid points per job (trained one after
 # another in one process: `python -m trainer train-runs`). A job reads its runs' configs from the files the
-# main process wrote as it planned (<results>/configs/<run id>.yaml, sweep.run_configs). The run directory
-# is the state (sweep.jobs): a finished run (COMPLETE, which the trainer writes last) is in no job, so
+# main process wrote as it planned (<results>/configs/<run id>.yaml, sweep.study.run_configs). The run directory
+# is the state (sweep.study.jobs): a finished run (COMPLETE, which the trainer writes last) is in no job, so
 # nothing reopens it; an interrupted one resumes from its newest valid checkpoint; a failed one records why (FAILED) without stopping the
-# others of its job. Snakemake sees a run through its `.done` file (sweep.jobs), which the job writes when
+# others of its job. Snakemake sees a run through its `.done` file (sweep.study.jobs), which the job writes when
 # it succeeds: Snakemake never deletes or touches a run's own files. With live tracking (below), a follower streams the
 # job's runs' metrics to the tracking server while they train. A job with several GPUs on one node runs the
 # trainer under `accelerate launch`, one process per GPU; a job of several nodes (or CPU tasks) starts one
@@ -13,11 +13,11 @@
 import os
 import subprocess
 
-from sweep import run_configs
+from sweep.study import run_configs
 
 MODEL_READY = {run.run_id: STUDY.model_ready(run.model) for run in STUDY.runs}
 CONFIG_FILE = {run.run_id: str(run_configs.config_file(STUDY, run.run_id)) for run in STUDY.runs}
-if RUNS_JOBS:  # the pending runs' configs, each in the file its job reads (sweep.run_configs)
+if RUNS_JOBS:  # the pending runs' configs, each in the file its job reads (sweep.study.run_configs)
     run_configs.write(STUDY, WORK.runs)
 
 
@@ -30,7 +30,7 @@ def train_launcher(model):
 
 
 # Live tracking: the study config's tracking.uri, else MLFLOW_TRACKING_URI. Each training job then starts
-# a follower that syncs the job's own runs every 30 s (sweep.tracking.follow); the study's experiment and
+# a follower that syncs the job's own runs every 30 s (sweep.tracking.experiment.follow); the study's experiment and
 # parent run are opened once, before any job starts (open_live_tracking, from the Snakefile's onstart).
 LIVE_URI = STUDY.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
 
@@ -97,7 +97,7 @@ if STUDY.bundle["train"] == 1:
             + follower()[1] + "        touch {output}\n"
 
 else:
-    for bundle in WORK.train_bundles:  # pending runs only, in recorded bundles (sweep.jobs)
+    for bundle in WORK.train_bundles:  # pending runs only, in recorded bundles (sweep.study.jobs)
         runs = bundle.pending
         model = STUDY.run(runs[0]).model
 
