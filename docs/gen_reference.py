@@ -58,6 +58,13 @@ def _docstring_entries(cls: type, names: set[str]) -> dict[str, str]:
     return {name: _cell(text) for name, text in entries.items()}
 
 
+def _declared(spec: dataclasses.Field) -> str:
+    """The bound or the choices declared beside a field (trainer.config's `bounded` and `chosen`)."""
+    if "choices" in spec.metadata:
+        return "one of " + ", ".join(f"`{choice}`" for choice in spec.metadata["choices"])
+    return f"`{spec.metadata['bound']}`" if "bound" in spec.metadata else ""
+
+
 def _section_page(prefix: str, cls: type) -> list[str]:
     """One run-config section: its fields in source order with the comments on their lines; a comment
     line of its own (`# vllm only ...`) introduces the fields after it."""
@@ -83,6 +90,7 @@ def _section_page(prefix: str, cls: type) -> list[str]:
         spec = fields[name]
         default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
         what = _cell(field.group(2) or "") or documented.get(name, "")
+        what = "; ".join(part for part in (_declared(spec), what) if part)
         lines.append(f"| `{prefix}.{name}` | `{_cell(_type_name(hints[name]))}` | `{_yaml(default)}` | {what} |")
     return lines + [""]
 

@@ -49,7 +49,7 @@ def test_audit_with_convergence_writes_the_plot(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--advantage", "ppo"], "ObjectiveConfig.advantage: 'ppo' is not one of"),
+    (["--advantage", "ppo"], "objective.advantage: 'ppo' is not one of"),
     (["--vocab", "10", "--length", "4"], "keep it under 200,000"),
     (["--length", "0"], "need vocab >= 2 and length >= 1"),
 ])

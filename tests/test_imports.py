@@ -128,3 +128,21 @@ def test_only_the_loop_takes_the_whole_run():
                 for arg in node.args.args + node.args.kwonlyargs:
                     annotation = ast.unparse(arg.annotation) if arg.annotation else ""
                     assert annotation.strip("'\"") != "Run", f"{path.name}: {node.name}({arg.arg}: Run)"
+
+
+def _parses_an_error(node: ast.AST) -> bool:
+    """`str(error).replace(...)`, `.partition`, `.split`, `.startswith`: reading an error's text for its key."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("replace", "partition", "split", "startswith")
+            and isinstance(node.func.value, ast.Call) and getattr(node.func.value.func, "id", "") == "str"
+            and any("error" in ast.unparse(arg).lower() for arg in node.func.value.args))
+
+
+def test_no_config_error_is_rewritten_or_parsed_to_find_its_key():
+    """A ConfigError carries its key as data (trainer/config_error.py): the config modules and the study read
+    `error.key`, never the message's text. (Text from outside, a library's or a server's, is read where
+    there is nothing else: MLflow's errors in sweep/tracking, the compiler's in trainer/rollout.)"""
+    for name in [name for name in MODULES if name.startswith(("trainer.config", "trainer.objective", "sweep.study"))]:
+        found = [ast.unparse(node) for node in ast.walk(ast.parse(MODULES[name].read_text())) if _parses_an_error(node)]
+        assert not found, f"{name}: {found}"
+    assert _parses_an_error(ast.parse('str(error).replace("ObjectiveConfig.", "objective.")').body[0].value)

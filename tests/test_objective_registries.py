@@ -65,5 +65,5 @@ def test_a_new_ratio_gets_its_own_audit_rows(monkeypatch):
 
 
 def test_an_unknown_choice_is_named_with_the_registered_ones():
-    with pytest.raises(ValueError, match=r"ObjectiveConfig.loss_agg: 'sum' is not one of seq-mean-token-sum, "):
+    with pytest.raises(ValueError, match=r"objective.loss_agg: 'sum' is not one of seq-mean-token-sum, "):
         ObjectiveConfig(loss_agg="sum")

@@ -210,21 +210,21 @@ def test_moving_targets_end_at_the_final_betas_optimum_and_a_refreshed_reference
 
 
 @pytest.mark.parametrize("values,message", [
-    ({"kl_log_ratio_clamp": 0}, "ObjectiveConfig.kl_log_ratio_clamp: must be None or a number > 0"),
-    ({"kl_value_clamp": -1.0}, "ObjectiveConfig.kl_value_clamp: must be None or a number > 0"),
-    ({"kl_target": 0.1}, "ObjectiveConfig.kl_horizon: the adaptive coefficient needs both"),
-    ({"kl_horizon": 100}, "ObjectiveConfig.kl_target: the adaptive coefficient needs both"),
-    ({"ref_refresh_every": 0}, "ObjectiveConfig.ref_refresh_every: must be None or an integer >= 1"),
-    ({"ref_refresh_alpha": 0.5}, "ObjectiveConfig.ref_refresh_alpha: mixes the policy into the reference"),
-    ({"ref_refresh_every": 5, "ref_refresh_alpha": 1.5}, "ObjectiveConfig.ref_refresh_alpha: must be in (0, 1]"),
-    ({"entropy_coef": -0.1}, "ObjectiveConfig.entropy_coef: must be a finite number >= 0"),
-    ({"tis_floor": 0.5}, "ObjectiveConfig.tis_floor: shapes the engine weights of tis_cap; set tis_cap too"),
-    ({"tis_cap": 2.0, "tis_floor": 1.5}, "ObjectiveConfig.tis_floor: must be None or a number in (0, 1]"),
-    ({"tis_cap": 2.0, "tis_level": "geometric"}, "ObjectiveConfig.tis_level: geometric masks whole responses"),
-    ({"tis_cap": 2.0, "tis_mode": "drop"}, "ObjectiveConfig.tis_mode: 'drop' is not one of truncate, mask"),
-    ({"estimator": "full", "kl_value_clamp": 10.0}, "ObjectiveConfig.kl_value_clamp: clamps a sampled token"),
-    ({"preset": "deepspeed"}, "ObjectiveConfig.preset: 'deepspeed' is not one of verl, "),
-    ({"kl_loss_ratio": "engines"}, "ObjectiveConfig.kl_loss_ratio: 'engines' is not one of"),
+    ({"kl_log_ratio_clamp": 0}, "objective.kl_log_ratio_clamp: must be None or a number > 0"),
+    ({"kl_value_clamp": -1.0}, "objective.kl_value_clamp: must be None or a number > 0"),
+    ({"kl_target": 0.1}, "objective.kl_horizon: the adaptive coefficient needs both"),
+    ({"kl_horizon": 100}, "objective.kl_target: the adaptive coefficient needs both"),
+    ({"ref_refresh_every": 0}, "objective.ref_refresh_every: must be None or an integer >= 1"),
+    ({"ref_refresh_alpha": 0.5}, "objective.ref_refresh_alpha: mixes the policy into the reference"),
+    ({"ref_refresh_every": 5, "ref_refresh_alpha": 1.5}, "objective.ref_refresh_alpha: must be in (0, 1]"),
+    ({"entropy_coef": -0.1}, "objective.entropy_coef: must be a finite number >= 0"),
+    ({"tis_floor": 0.5}, "objective.tis_floor: shapes the engine weights of tis_cap; set tis_cap too"),
+    ({"tis_cap": 2.0, "tis_floor": 1.5}, "objective.tis_floor: must be None or a number in (0, 1]"),
+    ({"tis_cap": 2.0, "tis_level": "geometric"}, "objective.tis_level: geometric masks whole responses"),
+    ({"tis_cap": 2.0, "tis_mode": "drop"}, "objective.tis_mode: 'drop' is not one of truncate, mask"),
+    ({"estimator": "full", "kl_value_clamp": 10.0}, "objective.kl_value_clamp: clamps a sampled token"),
+    ({"preset": "deepspeed"}, "objective.preset: 'deepspeed' is not one of verl, "),
+    ({"kl_loss_ratio": "engines"}, "objective.kl_loss_ratio: 'engines' is not one of"),
 ])
 def test_every_new_setting_is_validated_with_an_error_naming_its_key(values, message):
     with pytest.raises(ValueError) as error:

@@ -93,6 +93,35 @@ def test_bad_study_configs_name_the_key(change, key):
     assert str(error.value).startswith(key), str(error.value)
 
 
+def test_each_run_says_which_study_key_set_each_value_and_an_error_names_that_key():
+    """RunSpec.sources: the study's `run`, a model's own `run`, the grid's lists and axes, evaluate.every; a
+    bad value is blamed on the key that set it, found from the error's key (data), never from its text."""
+    config = toy_config()
+    config["models"]["toy-sft"]["run"] = {"train": {"lr": 0.002}}
+    config["grid"]["axes"] = {"train.async_level": [0, 1]}
+    config["evaluate"]["every"] = 25
+    study = load_study(config)
+    assert study.name == config["study"]
+    run = study.run("toy-sft__k3-loss__b0.1__async1__s1")
+    assert run.source("train.lr") == "models.toy-sft.run.train.lr"
+    assert run.source("train.steps") == "run.train.steps"
+    assert run.source("objective.beta") == "grid.betas" and run.source("train.seed") == "grid.seeds"
+    assert run.source("train.async_level") == "grid.axes.train.async_level"
+    assert run.source("train.adam_betas[1]") == "run.train.adam_betas[1]"  # toy.yaml sets them
+    assert run.source("checkpoint.keep_every") == "evaluate.every" and run.source("model.path") == "models.toy-sft"
+    assert run.source("train.weight_decay") is None  # the trainer's default
+    axis = toy_config()
+    axis["grid"] = {"betas": [0.1], "seeds": [0], "baseline": False, "axes": {"objective.preset": ["paper-icepop"]}}
+    axis["run"]["objective"] = {"pg_ratio": "sequence"}  # IcePop's token-ratio bounds have no token ratio
+    with pytest.raises(StudyError, match=r"^grid.axes.objective.preset: bounds token ratios, and pg_ratio sequence .*"
+                                         r"\(in run toy-sft__.*\)$"):
+        load_study(axis)
+    model = toy_config()
+    model["models"]["toy-sft"]["run"] = {"objective": {"kl_target": 0.1}}  # kl_horizon missing
+    with pytest.raises(StudyError, match=r"^run.objective.kl_horizon: the adaptive coefficient needs both"):
+        load_study(model)
+
+
 def test_the_smol_study_is_the_grid_on_one_gpu_and_its_smoke_variant_a_small_cpu_one():
     full = load_study(yaml.safe_load(CONFIGS[0].read_text()))
     assert len(full.runs) == 3 * (9 + 1) and full.bundle == {"train": 10, "evaluate": 10}

@@ -94,3 +94,39 @@ def test_a_run_started_before_a_config_key_existed_still_resumes(warm_model, tmp
     changed = run_config.load(None, overrides(warm_model, **{"rollout.vllm_cpu_kvcache_gib": 2}))
     with pytest.raises(run_config.ConfigError, match=r"different config \(rollout.vllm_cpu_kvcache_gib\)"):
         directory.check_or_write_config(tmp_path, changed)
+
+
+def test_a_config_error_carries_its_key_as_data_and_crosses_processes():
+    """The key is data (a study blames the key that set it from `error.key`); the error pickles whole, as
+    the processes of a run pass it to each other (trainer.run.directory.claim), subclass included."""
+    import pickle
+
+    with pytest.raises(run_config.ConfigError) as caught:
+        run_config.from_dict({"model": {"path": "m"}, "objective": {"kl_target": 0.1}})
+    error = caught.value
+    assert (error.key, str(error)) == ("objective.kl_horizon", f"objective.kl_horizon: {error.message}")
+    assert str(error.at("--run a.yaml out")) == f"--run a.yaml out: objective.kl_horizon: {error.message}"
+    taken = pickle.loads(pickle.dumps(directory.DirectoryTaken("--out x", "holds another run")))
+    assert type(taken) is directory.DirectoryTaken and (taken.key, taken.message) == ("--out x", "holds another run")
+
+
+def test_every_declared_bound_and_choice_refuses_a_value_outside_it_by_its_key():
+    """The bounds and choices sit beside the fields (trainer.config's `bounded`, `chosen`), not in an if-chain:
+    each one, given a value outside it, is the error, keyed by its field."""
+    import dataclasses
+
+    outside = {">= 0": -1, ">= 1": 0, "> 0": 0, "in (0, 1]": 1.5}
+    declared = 0
+    for section in dataclasses.fields(run_config.RunConfig):
+        for spec in dataclasses.fields(section.default_factory()):
+            if not {"bound", "choices"} & set(spec.metadata):
+                continue
+            declared += 1
+            key = f"{section.name}.{spec.name}"
+            bad = outside[spec.metadata["bound"]] if "bound" in spec.metadata else "none-such"
+            with pytest.raises(run_config.ConfigError) as caught:
+                run_config.from_dict({"model": {"path": "m"}, section.name: {spec.name: bad}})
+            assert caught.value.key == key, str(caught.value)
+    assert declared >= 30  # the graph of fields was read
+    with pytest.raises(run_config.ConfigError, match=r"^train.lr: must be > 0, got nan$"):
+        run_config.from_dict({"model": {"path": "m"}, "train": {"lr": float("nan")}})

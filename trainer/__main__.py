@@ -309,11 +309,11 @@ def _check_one_group(configs: dict[Path, Any]) -> None:
         return
     devices = sorted({config.model.device for config in configs.values()})
     if len(devices) > 1:
-        raise ConfigError(f"train-runs: the runs of a job of {processes} processes share one process group, on one "
+        raise ConfigError("train-runs", f"the runs of a job of {processes} processes share one process group, on one "
                           f"device, and these ask for {', '.join(devices)}: train them in separate jobs")
     on_vllm = [str(out) for out, config in configs.items() if config.rollout.engine == "vllm"]
     if on_vllm:
-        raise ConfigError(f"train-runs: {len(configs)} runs in one job of {processes} processes, {on_vllm[0]} with "
+        raise ConfigError("train-runs", f"{len(configs)} runs in one job of {processes} processes, {on_vllm[0]} with "
                           "rollout.engine vllm, whose shutdown at the end of a run destroys the processes' group: "
                           "the next run could not start. Train such runs one per job (the study's bundle.train: 1)")
 
@@ -327,7 +327,7 @@ def _run_configs(runs: list[tuple[Path, Path]]) -> dict[Path, object]:
         try:
             configs[out] = run_config.load(path)
         except run_config.ConfigError as error:
-            raise run_config.ConfigError(f"--run {path} {out}: {error}") from None
+            raise error.at(f"--run {path} {out}") from None
     return configs
 
 
@@ -338,15 +338,15 @@ def _plan_configs(plan_json: str) -> dict[Path, object]:
     try:
         plan = json.loads(plan_json)
     except json.JSONDecodeError as error:
-        raise run_config.ConfigError(f"--plan: not JSON ({error})") from None
+        raise run_config.ConfigError("--plan", f"not JSON ({error})") from None
     if not isinstance(plan, dict) or not all(isinstance(v, list) for v in plan.values()):
-        raise run_config.ConfigError('--plan: expected {"RUN_DIR": ["section.key=value", ...], ...}')
+        raise run_config.ConfigError("--plan", 'expected {"RUN_DIR": ["section.key=value", ...], ...}')
     configs = {}
     for out, overrides in plan.items():
         try:
             configs[Path(out)] = run_config.load(None, [str(o) for o in overrides])
         except run_config.ConfigError as error:
-            raise run_config.ConfigError(f"--plan {out}: {error}") from None
+            raise error.at(f"--plan {out}") from None
     return configs
 
 

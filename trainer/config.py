@@ -18,12 +18,24 @@ from typing import Any
 import yaml
 
 from trainer.choices import ENGINES, HF_DECODINGS, LR_SCHEDULES, MIXED_PRECISIONS, TASK_NAMES
+from trainer.config_error import ConfigError
 from trainer.objective import advantages, presets
 from trainer.objective.objective_config import ObjectiveConfig
 
 
-class ConfigError(ValueError):
-    """A bad run config; the message starts with the offending key."""
+def bounded(default: Any, bound: str) -> Any:
+    """A field whose values must lie in `bound` (a key of BOUNDS), declared beside it: `validate` checks it,
+    and the reference page shows it."""
+    return field(default=default, metadata={"bound": bound})
+
+
+def chosen(default: str, choices: tuple[str, ...]) -> Any:
+    """A field whose value must be one of `choices`, declared beside it (checked by `validate`)."""
+    return field(default=default, metadata={"choices": choices})
+
+
+BOUNDS = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
+          "in (0, 1]": lambda v: 0 < v <= 1}  # NaN fails every one
 
 
 @dataclass(frozen=True)
@@ -37,71 +49,71 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = "arithmetic"        # arithmetic | countdown | math
+    name: str = chosen("arithmetic", TASK_NAMES)
     options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = "hf"              # hf | vllm
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 16
+    engine: str = chosen("hf", ENGINES)
+    temperature: float = bounded(1.0, "> 0")
+    top_p: float = bounded(1.0, "in (0, 1]")
+    max_new_tokens: int = bounded(16, ">= 1")
     stop: tuple[str, ...] = ()
     recompute_logprobs: bool = False  # behaviour log-probs from the trainer instead of the engine (the paper-*
                                       # presets' default: trainer.objective.presets, run_defaults)
-    hf_decoding: str = "auto"       # hf only: auto (compiled on CUDA) | eager | compiled (trainer.rollout.decoding)
+    hf_decoding: str = chosen("auto", HF_DECODINGS)  # hf only: auto is compiled on CUDA (trainer.rollout.decoding)
     # vllm only (trainer.rollout.vllm): a colocated engine per training process
-    vllm_gpu_memory_utilization: float = 0.3  # share of each GPU for vLLM's weights and KV cache
-    vllm_tensor_parallel_size: int = 1        # GPUs (training processes) one engine spans
+    vllm_gpu_memory_utilization: float = bounded(0.3, "in (0, 1]")  # share of each GPU for weights and KV cache
+    vllm_tensor_parallel_size: int = bounded(1, ">= 1")  # GPUs (training processes) one engine spans
     vllm_sleep: bool = True         # release vLLM's GPU memory while the trainer trains (CUDA only: off on CPU)
-    vllm_max_model_len: int = 0     # prompt + completion tokens vLLM plans for (0: the model's maximum)
-    vllm_cpu_kvcache_gib: int = 1   # vLLM's CPU build: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB)
+    vllm_max_model_len: int = bounded(0, ">= 0")  # prompt + completion tokens vLLM plans for (0: the model's maximum)
+    vllm_cpu_kvcache_gib: int = bounded(1, ">= 1")  # CPU build: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 20
-    prompts_per_step: int = 8
-    group_size: int = 4
-    lr: float = 1e-4
-    lr_schedule: str = "constant"   # after warm-up: constant | linear | cosine (to zero at the end)
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
+    steps: int = bounded(20, ">= 1")
+    prompts_per_step: int = bounded(8, ">= 1")
+    group_size: int = bounded(4, ">= 1")
+    lr: float = bounded(1e-4, "> 0")
+    lr_schedule: str = chosen("constant", LR_SCHEDULES)  # after warm-up (linear and cosine: to zero at the end)
+    warmup_steps: int = bounded(0, ">= 0")
+    weight_decay: float = bounded(0.0, ">= 0")
     adam_betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0          # max gradient norm; 0 = no clipping
-    minibatches: int = 1            # optimizer updates per epoch over a batch (whole groups each)
-    epochs: int = 1                 # passes over each batch
-    async_level: int = 0            # train step s on rollouts of the policy of step s - async_level
+    grad_clip: float = bounded(1.0, ">= 0")  # max gradient norm; 0 = no clipping
+    minibatches: int = bounded(1, ">= 1")  # optimizer updates per epoch over a batch (whole groups each)
+    epochs: int = bounded(1, ">= 1")  # passes over each batch
+    async_level: int = bounded(0, ">= 0")  # train step s on rollouts of the policy of step s - async_level
     seed: int = 0
-    max_nonfinite_updates: int = 3  # stop after this many skipped (NaN/inf) updates in a row
-    logprob_chunk: int = 1024       # tokens whose logits exist at once in log-prob passes (0: all, naive)
-    micro_batch_size: int = 0       # completions per forward/backward, gradients accumulated (0: a whole minibatch)
+    max_nonfinite_updates: int = bounded(3, ">= 1")  # stop after this many skipped (NaN/inf) updates in a row
+    logprob_chunk: int = bounded(1024, ">= 0")  # tokens whose logits exist at once in log-prob passes (0: all, naive)
+    micro_batch_size: int = bounded(0, ">= 0")  # completions per forward/backward, accumulated (0: a whole minibatch)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass
-    mixed_precision: str = "no"     # no | bf16: compute in bfloat16 over float32 weights (FSDP2 or autocast)
+    mixed_precision: str = chosen("no", MIXED_PRECISIONS)  # bf16: compute in bfloat16 over float32 weights
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 10                 # steps between checkpoints
-    keep: int = 2                   # newest checkpoints kept
-    keep_every: int = 0             # also keep every checkpoint at a multiple of this step (0: none)
+    every: int = bounded(10, ">= 1")  # steps between checkpoints
+    keep: int = bounded(2, ">= 1")  # newest checkpoints kept
+    keep_every: int = bounded(0, ">= 0")  # also keep every checkpoint at a multiple of this step (0: none)
 
 
 @dataclass(frozen=True)
 class VerifierConfig:
-    timeout: float = 5.0            # seconds per math-verify call
-    workers: int = 2
+    timeout: float = bounded(5.0, "> 0")  # seconds per math-verify call
+    workers: int = bounded(2, ">= 1")
 
 
 @dataclass(frozen=True)
 class MeasureConfig:
     """The regularized objective measured on held-out prompts (trainer.measure.objective)."""
 
-    prompts: int = 0                # held-out prompts (0: no measurement)
-    samples: int = 16               # the policy's completions per prompt at each measurement
-    reference_samples: int = 64     # the reference's completions per prompt, once: their rewards give J*
-    every: int = 0                  # also measure every N steps (0: the final model only)
+    prompts: int = bounded(0, ">= 0")  # held-out prompts (0: no measurement)
+    samples: int = 16               # the policy's completions per prompt at each measurement (>= 1 with prompts)
+    reference_samples: int = 64     # the reference's completions per prompt, once: their rewards give J* (>= 1 too)
+    every: int = bounded(0, ">= 0")  # also measure every N steps (0: the final model only)
     seed: int = 1                   # picks the prompts and seeds their sampling (the same at every measurement)
     task_options: dict[str, Any] = field(default_factory=dict)  # task.options overrides for the held-out set
 
@@ -166,7 +178,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, dict):
             return dict(value)
     name = getattr(annotation, "__name__", str(annotation))
-    raise ConfigError(f"{key}: expected {name}, got {value!r}")
+    raise ConfigError(key, f"expected {name}, got {value!r}")
 
 
 def _reject_unknown(cls: type, data: dict[str, Any], section: str | None) -> None:
@@ -175,7 +187,7 @@ def _reject_unknown(cls: type, data: dict[str, Any], section: str | None) -> Non
     unknown = sorted(set(data) - set(known))
     if unknown:
         key, what = (f"{section}.{unknown[0]}", "key") if section else (unknown[0], "section")
-        raise ConfigError(f"{key}: unknown {what} (known: {', '.join(known)})")
+        raise ConfigError(key, f"unknown {what} (known: {', '.join(known)})")
 
 
 @functools.cache
@@ -190,25 +202,19 @@ def _section(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix}: expected a mapping, got {data!r}")
+        raise ConfigError(prefix, f"expected a mapping, got {data!r}")
     hints = _hints(cls)
     _reject_unknown(cls, data, prefix)
     if cls is ObjectiveConfig:  # the preset's values under the keys given
-        try:
-            data = presets.expand(data)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+        data = presets.expand(data)
     values = {k: _coerce(f"{prefix}.{k}", v, hints[k]) for k, v in data.items()}
-    try:
-        return cls(**values)
-    except ValueError as error:  # ObjectiveConfig's own messages already name the field
-        raise ConfigError(str(error).replace("ObjectiveConfig.", "objective.")) from None
+    return cls(**values)  # ObjectiveConfig raises its own ConfigError, with its key
 
 
 def from_dict(data: dict[str, Any]) -> RunConfig:
     """A validated RunConfig from nested plain data."""
     if not isinstance(data, dict):
-        raise ConfigError(f"config: expected a mapping of sections, got {type(data).__name__}")
+        raise ConfigError("config", f"expected a mapping of sections, got {type(data).__name__}")
     hints = _hints(RunConfig)
     _reject_unknown(RunConfig, data, None)
     data = presets.run_defaults(data)  # the rollout keys an objective preset decides, where not given
@@ -218,74 +224,49 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     return config
 
 
+def _check_declared(key: str, value: Any, spec: dataclasses.Field) -> None:
+    """The bound or the choices declared beside a field (`bounded`, `chosen`)."""
+    bound, choices = spec.metadata.get("bound"), spec.metadata.get("choices")
+    if bound is not None and not BOUNDS[bound](value):
+        raise ConfigError(key, f"must be {bound}, got {value}")
+    if choices is not None and value not in choices:
+        raise ConfigError(key, f"{value!r} is not one of {', '.join(choices)}")
+
+
 def validate(config: RunConfig) -> None:
-    """Cross-field checks that need no model or data."""
-    m, t, r, c, v = config.model, config.train, config.rollout, config.checkpoint, config.verifier
-    if not m.path:
-        raise ConfigError("model.path: required (a local model directory or a hub id)")
-    if config.task.name not in TASK_NAMES:
-        raise ConfigError(f"task.name: {config.task.name!r} is not one of {', '.join(TASK_NAMES)}")
-    if r.engine not in ENGINES:
-        raise ConfigError(f"rollout.engine: {r.engine!r} is not one of {', '.join(ENGINES)}")
-    if r.hf_decoding not in HF_DECODINGS:
-        raise ConfigError(f"rollout.hf_decoding: {r.hf_decoding!r} is not one of {', '.join(HF_DECODINGS)}")
-    if t.lr_schedule not in LR_SCHEDULES:
-        raise ConfigError(f"train.lr_schedule: {t.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
-    positive = {"train.steps": t.steps, "train.prompts_per_step": t.prompts_per_step,
-                "train.group_size": t.group_size, "train.minibatches": t.minibatches, "train.epochs": t.epochs,
-                "train.max_nonfinite_updates": t.max_nonfinite_updates, "rollout.max_new_tokens": r.max_new_tokens,
-                "checkpoint.every": c.every, "checkpoint.keep": c.keep, "verifier.workers": v.workers}
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key}: must be >= 1, got {value}")
-    non_negative = {"train.warmup_steps": t.warmup_steps, "train.async_level": t.async_level,
-                    "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
-                    "checkpoint.keep_every": c.keep_every, "train.logprob_chunk": t.logprob_chunk,
-                    "train.micro_batch_size": t.micro_batch_size, "rollout.vllm_max_model_len": r.vllm_max_model_len,
-                    "measure.prompts": config.measure.prompts, "measure.every": config.measure.every}
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"{key}: must be >= 0, got {value}")
-    if config.measure.prompts and min(config.measure.samples, config.measure.reference_samples) < 1:
-        raise ConfigError(f"measure.samples and measure.reference_samples: must be >= 1, got "
-                          f"{config.measure.samples} and {config.measure.reference_samples}")
-    if not t.lr > 0:
-        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
-    if v.timeout <= 0:
-        raise ConfigError(f"verifier.timeout: must be > 0, got {v.timeout}")
+    """The bounds and choices declared beside the fields, then the checks across fields, that need no model
+    or data (the objective's section checked itself when it was made)."""
+    t, r = config.train, config.rollout
+    if not config.model.path:
+        raise ConfigError("model.path", "required (a local model directory or a hub id)")
+    for section in dataclasses.fields(RunConfig):
+        values = getattr(config, section.name)
+        for spec in dataclasses.fields(values):
+            _check_declared(f"{section.name}.{spec.name}", getattr(values, spec.name), spec)
+    m = config.measure
+    for key in ("samples", "reference_samples"):
+        if m.prompts and getattr(m, key) < 1:
+            raise ConfigError(f"measure.{key}", f"must be >= 1 where measure.prompts is set, got {getattr(m, key)}")
     try:
         advantages.check_group_size(config.objective.advantage, t.group_size, grpo_scale=config.objective.grpo_scale)
     except ValueError as error:
-        raise ConfigError(f"train.group_size: {error}") from None
+        raise ConfigError("train.group_size", str(error)) from None
     if config.objective.needs_full_kl and t.logprob_chunk == 0:
-        raise ConfigError(f"train.logprob_chunk: estimator {config.objective.estimator} computes the KL over the "
+        raise ConfigError("train.logprob_chunk", f"estimator {config.objective.estimator} computes the KL over the "
                           "vocabulary a chunk of tokens at a time; set a chunk > 0 (0 would build [B, T, V] logits)")
     if config.objective.entropy_coef and t.logprob_chunk == 0:
-        raise ConfigError("train.logprob_chunk: objective.entropy_coef computes the exact entropy a chunk of tokens "
+        raise ConfigError("train.logprob_chunk", "objective.entropy_coef computes the exact entropy a chunk of tokens "
                           "at a time; set a chunk > 0 (0 would build [B, T, V] logits)")
     if t.prompts_per_step % t.minibatches:
-        raise ConfigError(f"train.minibatches: {t.minibatches} does not divide prompts_per_step "
+        raise ConfigError("train.minibatches", f"{t.minibatches} does not divide prompts_per_step "
                           f"{t.prompts_per_step} (minibatches hold whole groups)")
     if t.micro_batch_size % t.group_size:
-        raise ConfigError(f"train.micro_batch_size: {t.micro_batch_size} is not a multiple of group_size "
+        raise ConfigError("train.micro_batch_size", f"{t.micro_batch_size} is not a multiple of group_size "
                           f"{t.group_size} (micro-batches hold whole groups)")
-    if t.mixed_precision not in MIXED_PRECISIONS:
-        raise ConfigError(f"train.mixed_precision: {t.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}")
-    if not 0 < r.vllm_gpu_memory_utilization <= 1:
-        raise ConfigError("rollout.vllm_gpu_memory_utilization: must be in (0, 1], "
-                          f"got {r.vllm_gpu_memory_utilization}")
-    if r.vllm_cpu_kvcache_gib < 1:
-        raise ConfigError(f"rollout.vllm_cpu_kvcache_gib: must be >= 1, got {r.vllm_cpu_kvcache_gib}")
-    if r.vllm_tensor_parallel_size < 1:
-        raise ConfigError(f"rollout.vllm_tensor_parallel_size: must be >= 1, got {r.vllm_tensor_parallel_size}")
-    if not 0 < r.top_p <= 1:
-        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     if r.top_p < 1:
-        raise ConfigError(f"rollout.top_p: {r.top_p} < 1 samples from the nucleus of each next-token distribution, "
+        raise ConfigError("rollout.top_p", f"{r.top_p} < 1 samples from the nucleus of each next-token distribution, "
                           "not from the policy, and no importance weight brings back the tokens it never draws: every "
                           "gradient would be biased (docs/top_p.md); train with top_p 1.0 (evaluate.top_p is separate)")
-    if not r.temperature > 0:
-        raise ConfigError(f"rollout.temperature: must be > 0, got {r.temperature}")
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -294,14 +275,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r}: expected section.key=value")
+            raise ConfigError(f"override {item!r}", "expected section.key=value")
         value = yaml.safe_load(raw) if raw else ""
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
+                raise ConfigError(f"override {item!r}", f"{part} is not a section")
         node[parts[-1]] = value
     return data
 
@@ -313,9 +294,9 @@ def load(path: Path | None, overrides: list[str] = ()) -> RunConfig:
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
-            raise ConfigError(f"--config: no such file {path}") from None
+            raise ConfigError("--config", f"no such file {path}") from None
         except yaml.YAMLError as error:
-            raise ConfigError(f"--config: {path} is not valid YAML ({error})") from None
+            raise ConfigError("--config", f"{path} is not valid YAML ({error})") from None
     return from_dict(apply_overrides(data, list(overrides)))
 
 

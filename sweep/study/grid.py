@@ -45,11 +45,23 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 @dataclass(frozen=True)
 class RunSpec:
     """One grid point: its id, coordinates (sweep.study.axes: model, estimator, placement, beta, the extra
-    axes, seed; None where unused) and the full trainer config (nested, plain data)."""
+    axes, seed; None where unused) and the full trainer config (nested, plain data). `sources`: for each
+    run-config key the study sets (`train.lr`), the study key that set it (`models.qwen.run.train.lr`,
+    `grid.axes.train.lr`, `grid.betas`, `evaluate.every`); a key absent from it is the trainer's default."""
 
     run_id: str
     coords: dict[str, Any]
     config: dict[str, Any]
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def source(self, key: str) -> str | None:
+        """The study key that set run-config `key` (`train.adam_betas[0]`: its list's), None for a default;
+        a key that an objective preset filled in is the preset's."""
+        base, bracket, rest = key.partition("[")
+        found = self.sources.get(base)
+        if found is None and base.startswith("objective.") and "objective.preset" in self.sources:
+            found = self.sources["objective.preset"]
+        return None if found is None else found + bracket + rest
 
     @property
     def model(self) -> str:
@@ -198,20 +210,39 @@ def _complete(config: dict[str, Any]) -> dict[str, Any]:
         return merge(RunConfig().to_dict(), config)
 
 
-def _check_run_config(config: dict[str, Any], model: ModelSpec, axes: list[str], run: str):
-    """One run's validated trainer config; an error names the key where the study sets the bad value (an
-    axis's: and the first run with the bad combination)."""
+def _check_run_config(config: dict[str, Any], run: RunSpec, axes: list[str]):
+    """One run's validated trainer config; an error names the study key that set the bad value (its
+    `sources`; `run.` for a trainer default the study's combination made bad), and for an axis the
+    first run with the bad combination. The error's key is data: nothing is parsed from its text."""
     from trainer.config import ConfigError, from_dict
 
     try:
         return from_dict(config)
     except ConfigError as error:
-        section, _, rest = str(error).partition(".")
-        key = rest.split(":")[0].split("[")[0]
-        if f"{section}.{key}" in axes:
-            raise StudyError(f"grid.axes.{error} (in run {run})") from None
-        where = f"models.{model.name}.run" if key in model.run.get(section, {}) else "run"
-        raise StudyError(f"{where}.{error}") from None
+        where = run.source(error.key) or f"run.{error.key}"
+        axis = error.key.partition("[")[0] in axes or where.startswith("grid.axes.")
+        raise StudyError(f"{where}: {error.message}" + (f" (in run {run.run_id})" if axis else "")) from None
+
+
+_STANDARD_AXES = {"objective.estimator": "grid.estimators", "objective.placement": "grid.placements",
+                  "objective.beta": "grid.betas", "train.seed": "grid.seeds"}
+
+
+def _sources(shared: dict[str, Any], model: ModelSpec, axes: list[str], every: int) -> dict[str, str]:
+    """Which study key sets each run-config key of `model`'s runs (RunSpec.sources), the later winning as
+    the configs merge: the study's `run`, the model's `run`, the model itself, the grid, evaluate.every."""
+    found = {}
+    for origin, config in (("run", shared), (f"models.{model.name}.run", model.run)):
+        for section, values in config.items():
+            for key in values if isinstance(values, dict) else ():
+                found[f"{section}.{key}"] = f"{origin}.{section}.{key}"
+    found.update({"model.path": f"models.{model.name}", "model.name": f"models.{model.name}"})
+    found.update(_STANDARD_AXES)
+    found.update({key: f"grid.axes.{key}" for key in axes})
+    if every:
+        found["checkpoint.keep_every"] = "evaluate.every"
+        found.setdefault("measure.every", "evaluate.every")
+    return found
 
 
 def _data(raw: Any) -> dict[str, dict[str, Any]]:
@@ -269,6 +300,7 @@ def load_study(data: dict[str, Any], schema_file: Path | None = None) -> Study:
     every = evaluate["every"]
     partial = {name: _model_config(shared, model, results, every) for name, model in models.items()}
     expansion = Expansion(grid, {name: _complete(config) for name, config in partial.items()})
+    sources = {name: _sources(shared, model, expansion.names, every) for name, model in models.items()}
     runs, validated = [], {}
     for point in expansion.points():
         model = models[point.model]
@@ -276,17 +308,20 @@ def load_study(data: dict[str, Any], schema_file: Path | None = None) -> Study:
         # Runs that differ only in estimator, beta and seed validate alike: check one each.
         shape = json.dumps({**config, "objective": {**config["objective"], "estimator": None, "beta": None},
                             "train": {**config["train"], "seed": None}}, sort_keys=True, default=str)
+        coords = {"model": point.model, "estimator": point.estimator, "placement": point.placement,
+                  "beta": point.beta, **{key: expansion.value(point, key) for key in expansion.names},
+                  "seed": point.seed}
+        run = RunSpec(point.run_id, coords, config, sources[point.model])
         if shape not in validated:
-            validated[shape] = _check_run_config(config, model, expansion.names, point.run_id)
+            validated[shape] = _check_run_config(config, run, expansion.names)
         checked = validated[shape]
         if every % checked.checkpoint.every:
             raise StudyError(f"evaluate.every: {every} is not a multiple of run.checkpoint.every "
                              f"({checked.checkpoint.every}), so those steps have no checkpoint to evaluate")
-        inert = {f"objective.{name}" for name in checked.objective.inert_fields()}
-        extra = {key: None if key in inert else expansion.value(point, key) for key in expansion.names}
-        runs.append(RunSpec(point.run_id, {"model": point.model, "estimator": point.estimator,
-                                           "placement": point.placement, "beta": point.beta, **extra,
-                                           "seed": point.seed}, config))
+        for inert in checked.objective.inert_fields():
+            if f"objective.{inert}" in coords:
+                coords[f"objective.{inert}"] = None
+        runs.append(run)
     if not runs:
         raise StudyError("grid: selects no runs (check estimators, placements, betas, baseline and exclude)")
     ids = [r.run_id for r in runs]

@@ -113,13 +113,14 @@ def check_axis_values(key: str, values: Any, where: str, base: dict[str, Any],
             try:
                 config = from_dict(with_keys(context, {key: value}))
             except ConfigError as error:
-                errors.append(str(error))
+                errors.append(error)
                 continue
             checked.append(coords.lookup(config.to_dict(), key, value))
             break
         else:
-            if errors[0].startswith((f"{key}:", f"{key}[")):  # this value's fault; anything else is the run's
-                raise StudyError(f"{where}[{i}]: {errors[0].partition(': ')[2]}") from None
+            first = errors[0]
+            if first.key == key or first.key.startswith(f"{key}["):  # this value's fault; anything else is the run's
+                raise StudyError(f"{where}[{i}]: {first.message}") from None
             checked.append(value)
     for i, value in enumerate(checked):
         if value in checked[:i]:

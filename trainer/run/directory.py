@@ -15,7 +15,7 @@ import yaml
 
 from trainer.config import ConfigError, RunConfig, as_saved, differences
 from trainer.distributed import World
-from trainer.lease import Lease, LeaseHeld, slurm_job
+from trainer.lease import Lease, slurm_job
 from trainer.run.errors import TrainingError
 from trainer.run_files import (
     COMPLETE,
@@ -53,11 +53,10 @@ def claim(out: Path, config: RunConfig, world: World) -> Lease | None:
             if lease is not None:
                 lease.release()
                 lease = None
-            problem = (type(error).__name__, str(error))
-    problems = [p for p in world.gather(problem) if p]
+            problem = error
+    problems = [p for p in world.gather(problem) if p]  # the errors themselves, pickled
     if problems:
-        kind, message = problems[0]
-        raise {cls.__name__: cls for cls in (LeaseHeld, DirectoryTaken)}.get(kind, ConfigError)(message)
+        raise problems[0]
     return lease
 
 
@@ -68,7 +67,7 @@ def check_or_write_config(out: Path, config: RunConfig) -> None:
     if config_file.exists():
         changed = differences(wanted, as_saved(yaml.safe_load(config_file.read_text())))
         if changed:
-            raise DirectoryTaken(f"--out {out} holds a run with a different config ({', '.join(changed)}); "
+            raise DirectoryTaken(f"--out {out}", f"holds a run with a different config ({', '.join(changed)}); "
                                  "use another --out, or the same config to resume it")
     else:
         config_file.write_text(yaml.safe_dump(wanted, sort_keys=False))

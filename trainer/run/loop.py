@@ -75,7 +75,7 @@ def check_before_loading(config: RunConfig) -> Task:
     try:
         resolve(config.model.path)
     except ValueError as error:
-        raise ConfigError(f"model.path: {error}") from None
+        raise ConfigError("model.path", str(error)) from None
     return make_task(config.task.name, config.task.options)
 
 
@@ -84,20 +84,20 @@ def check_world(config: RunConfig, world: World) -> None:
     t = config.train
     per_minibatch = t.prompts_per_step // t.minibatches
     if per_minibatch % world.size:
-        raise ConfigError(f"train.prompts_per_step: {t.prompts_per_step} prompts in {t.minibatches} minibatch(es) "
+        raise ConfigError("train.prompts_per_step", f"{t.prompts_per_step} prompts in {t.minibatches} minibatch(es) "
                           f"do not split evenly over {world.size} processes")
     rows = per_minibatch // world.size * t.group_size
     if t.micro_batch_size and rows % t.micro_batch_size:
-        raise ConfigError(f"train.micro_batch_size: {t.micro_batch_size} does not divide the {rows} completions "
+        raise ConfigError("train.micro_batch_size", f"{t.micro_batch_size} does not divide the {rows} completions "
                           f"each process trains on per minibatch")
     if world.sharded and config.objective.needs_full_kl:
-        raise ConfigError(f"objective.estimator: {config.objective.estimator} reads the reference's output layer "
+        raise ConfigError("objective.estimator", f"{config.objective.estimator} reads the reference's output layer "
                           "outside its forward pass, which FSDP shards: run it in one process")
     if world.sharded and config.objective.entropy_coef:
-        raise ConfigError("objective.entropy_coef: the exact entropy reads the output layer outside the forward "
+        raise ConfigError("objective.entropy_coef", "the exact entropy reads the output layer outside the forward "
                           "pass, which FSDP shards: run it in one process")
     if config.measure.prompts % world.size:
-        raise ConfigError(f"measure.prompts: {config.measure.prompts} held-out prompts do not split evenly over "
+        raise ConfigError("measure.prompts", f"{config.measure.prompts} held-out prompts do not split evenly over "
                           f"{world.size} processes")
 
 

@@ -132,8 +132,9 @@ class Checkpoints:
         s = train
         processes = state.get("processes") or [state]  # a checkpoint from before multi-process runs
         if len(processes) != world.size:
-            raise ConfigError(f"{directory.checkpoints_dir(self.out)}/step_{step} was written by {len(processes)} "
-                              f"training process(es); resume it with as many, not {world.size}")
+            raise ConfigError(f"{directory.checkpoints_dir(self.out)}/step_{step}",
+                              f"was written by {len(processes)} training process(es); resume it with as many, "
+                              f"not {world.size}")
         s.step, s.data_position = state["step"], state["data_position"]
         s.nonfinite_in_row = state["nonfinite_in_row"]
         if "kl_coefficient" in state:
