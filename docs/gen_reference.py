@@ -1,10 +1,13 @@
-"""The site's reference pages, written at every build from the code they describe, so they cannot drift.
+"""The reference pages, written into docs/ from the code they describe, and checked current by a test.
 
-An MkDocs hook (mkdocs.yml, `hooks:`): `on_files` adds each page of PAGES as a generated file, in place of
-the stub of the same path in docs/ (which, read on a code host, points to the page's source). The run
-config comes from trainer/config.py's dataclasses (type, default, the comment or docstring line that
-says what a key does), the study config from workflow/config/schema.yaml, the CLIs from their own
-argparse parsers, the shipped studies from their configs and the benchmarks from their scripts.
+    python docs/gen_reference.py --write    rewrite every page of PAGES from its source
+    python docs/gen_reference.py            say which pages differ from their source (exit 1), as the test does
+
+The run config comes from trainer/config.py's dataclasses (type, default, the bound or the choices declared
+beside a field, the comment or docstring line that says what a key does), the study config from
+workflow/config/schema.yaml, the CLIs from their own argparse parsers, the shipped studies from their
+configs and the benchmarks from their scripts. The pages are files like any other, so that they read the
+same in the repository and on the site; tests/test_reference_pages.py fails when one is stale.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from unittest import mock
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-GENERATED = "*Generated from {source} at each build of this site; edit the source, not this page.*\n"
+GENERATED = ("*Generated from {source} by `python docs/gen_reference.py --write`; a test fails when this page is "
+             "stale. Edit the source, not this page.*\n")
 
 
 def _cell(text: str) -> str:
@@ -270,14 +274,28 @@ PAGES = {"reference/run-config.md": run_config_page, "reference/study-config.md"
          "reference/cli.md": cli_page, "results/studies.md": studies_page, "benchmarks/index.md": benchmarks_page}
 
 
-def on_files(files, config):
-    """MkDocs hook: each page of PAGES, generated, in place of its file in docs/ (a stub that, read on a code
-    host, points to the source, so that links to the page resolve there too)."""
-    from mkdocs.structure.files import File
+def stale() -> list[str]:
+    """The pages of PAGES (paths under docs/) whose file differs from what their source makes now."""
+    return [path for path, build in PAGES.items()
+            if not (REPO / "docs" / path).is_file() or (REPO / "docs" / path).read_text() != build() + "\n"]
 
-    for path, build in PAGES.items():
-        stub = files.get_file_from_path(path)
-        if stub is not None:
-            files.remove(stub)
-        files.append(File.generated(config, path, content=build()))
-    return files
+
+def write() -> list[str]:
+    """Every page of PAGES written from its source; the ones that changed."""
+    changed = stale()
+    for path in changed:
+        (REPO / "docs" / path).write_text(PAGES[path]() + "\n")
+    return changed
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    logging.basicConfig(level=logging.WARNING)
+    if "--write" in sys.argv[1:]:
+        print("\n".join(f"wrote docs/{path}" for path in write()) or "every page was current")
+        sys.exit(0)
+    left = stale()
+    print("\n".join(f"stale: docs/{path} (python docs/gen_reference.py --write)" for path in left) or "current")
+    sys.exit(1 if left else 0)
