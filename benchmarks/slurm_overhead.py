@@ -10,6 +10,7 @@ jobs. Needs a cluster: profiles/slurm/local-cluster.sh up. The last line is
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import subprocess
 import sys
@@ -56,6 +57,8 @@ def submit_to_start(directory: Path) -> list[float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+                            ).parse_args()  # no options: --help says what it measures
     with tempfile.TemporaryDirectory() as tmp:
         local_s, jobs = run("local", Path(tmp) / "local")
         slurm_s, slurm_jobs = run("slurm", Path(tmp) / "slurm")

@@ -105,7 +105,7 @@ def run_config_page() -> str:
     hints = typing.get_type_hints(RunConfig)
     lines = ["# Run config keys", "", GENERATED.format(
         source="`trainer/config.py` and `trainer/objective/objective_config.py`"),
-             "A run config (`python -m trainer train --config FILE`) has these sections. Every key can be",
+             "A run config (`python -m trainer train --config FILE --out DIR`) has these sections. Every key can be",
              "overridden on the command line as `section.key=value` (read as YAML), and a study config's `run:`",
              "block holds the same sections. A bad value stops the run before any model loads, with an error",
              "that names its key.", ""]
@@ -158,9 +158,9 @@ def study_config_page() -> str:
 
     schema = yaml.safe_load((REPO / "workflow" / "config" / "schema.yaml").read_text())
     lines = ["# Study config keys", "", GENERATED.format(source="`workflow/config/schema.yaml`"),
-             "A study config (`snakemake --configfile FILE`) is checked whole before the DAG is built: first by",
-             "`sweep.study.grid` (names, grid semantics, every run's config), then against this schema, one line per",
-             "error naming the key. The `run` sections are the [run config](run-config.md).", "",
+             "A study config (the file that Snakemake's `--configfile` names) is checked whole before the DAG is",
+             "built: first by `sweep.study.grid` (names, grid semantics, every run's config), then against this",
+             "schema, one line per error naming the key. The `run` sections are the [run config](run-config.md).", "",
              "## The study", "", *_schema_table(schema)]
     for name, definition in schema.get("definitions", {}).items():
         body = _schema_table(definition) if "properties" in definition else [f"{expected(definition)}.", ""]
@@ -221,8 +221,9 @@ def studies_page() -> str:
     logging.getLogger("sweep.study.grid").setLevel(logging.ERROR)  # a study's data not yet exported is no news here
     lines = ["# The shipped studies", "", GENERATED.format(source="`workflow/config/*.yaml`"),
              "Each study config in `workflow/config/`, what it says it studies, and the runs its grid expands",
-             "to. Run one with `.venv/bin/snakemake --profile profiles/local --configfile FILE` (`toy.yaml` is",
-             "the default: `make study`); add `-n` to see the plan without running it.", ""]
+             "to. Run one by naming its file, as in",
+             "`.venv/bin/snakemake --profile profiles/local --configfile workflow/config/toy_quick.yaml`",
+             "(`toy.yaml` is the default: `make study`); add `-n` to see the plan without running it.", ""]
     for path in sorted((REPO / "workflow" / "config").glob("*.yaml")):
         if path.name == "schema.yaml":
             continue
@@ -255,6 +256,29 @@ def _options(tree: ast.AST) -> list[str]:
     return rows
 
 
+def _usage(tree: ast.AST, command: str) -> str:
+    """A script's usage line, as argparse would print it, from its `add_argument` calls (read, not run)."""
+    words = [command, "[-h]"]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+            names = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
+            keywords = {k.arg: k.value for k in node.keywords}
+            if isinstance(keywords.get("help"), ast.Attribute):  # argparse.SUPPRESS: an internal option
+                continue
+            metavar = keywords.get("metavar")
+            default_name = names[-1].lstrip("-").upper().replace("-", "_")
+            name = metavar.value if isinstance(metavar, ast.Constant) else default_name
+            if not names[0].startswith("-"):
+                words.append(name)
+                continue
+            action = keywords.get("action")
+            flag = isinstance(action, ast.Constant) and action.value in ("store_true", "store_false")
+            word = names[0] if flag else f"{names[0]} {name}"
+            required = isinstance(keywords.get("required"), ast.Constant) and keywords["required"].value
+            words.append(word if required else f"[{word}]")
+    return " ".join(words)
+
+
 def benchmarks_page() -> str:
     lines = ["# Benchmarks", "", GENERATED.format(source="`benchmarks/*.py`"),
              "Each benchmark measures klstudy side by side with a peer or an alternative, in one run, and",
@@ -263,7 +287,7 @@ def benchmarks_page() -> str:
         tree = ast.parse(path.read_text())
         paragraphs = (ast.get_docstring(tree) or "").split("\n\n")
         lines += [f"## `{path.name}`", "", " ".join(paragraphs[0].split()), "",
-                  f"`python benchmarks/{path.name}`", ""]
+                  f"`{_usage(tree, f'python benchmarks/{path.name}')}`", ""]
         options = _options(tree)
         if options:
             lines += ["| option | default | what it sets |", "|---|---|---|", *options, ""]
