@@ -193,16 +193,24 @@ def test_reduced_toy_study_interrupted_and_resumed(tmp_path, stop, prepared_toy_
     process = subprocess.Popen([*SNAKEMAKE, *LOCAL, "--directory", str(tmp_path), "--configfile", str(config)],
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=default_sigint)
     # Interrupt once Snakemake has seen a training job finish and another run is mid-way (its first
-    # checkpoint written, not yet complete).
+    # checkpoint written, not yet complete). The study is frozen (SIGSTOP) before it is looked at again: a toy
+    # run's last three steps take about 0.1 s, and in CI one completed between the look and the kill.
     deadline = time.monotonic() + 480
     while time.monotonic() < deadline and process.poll() is None:
         runs = [results / "runs" / r for r in REDUCED_RUNS]
         midway = [r for r in runs if (r / "checkpoints" / "step_3").exists() and not (r / COMPLETE).exists()]
         if midway and jobs_finished((tmp_path / "first.log").read_text(), "train"):
-            break
+            os.killpg(process.pid, signal.SIGSTOP)
+            time.sleep(0.5)  # a warm-started job's worker stops with its process a moment later
+            midway = [r for r in midway if not (r / COMPLETE).exists()]
+            if midway:
+                break
+            os.killpg(process.pid, signal.SIGCONT)
         time.sleep(0.1)
     assert process.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
     os.killpg(process.pid, stop)  # to Snakemake and its running jobs
+    if stop != signal.SIGKILL:
+        os.killpg(process.pid, signal.SIGCONT)  # frozen, they would not take the SIGINT
     assert process.wait(timeout=120) != 0
     log.close()
     interrupted = [r.name for r in midway if not (r / COMPLETE).exists()]
