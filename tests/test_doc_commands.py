@@ -6,7 +6,9 @@ a reader would, in a copy of the root made of links, so that what they write (re
 lands in a temporary directory. Each block runs on its own, from a clean copy. Blocks marked
 `<!-- runnable: NAME -->` are one session: a page's blocks of one NAME run in order in the same copy,
 each after the one before (a study run, then resumed, grown, repaired). Mark only blocks that run here
-in seconds to a minute: the others are for the reader.
+in seconds to a minute: the others are for the reader. A run that installs into `.venv` (`.venv/bin/pip
+install ...`) gets an environment of its own in its copy, layered over the suite's, so that what it
+installs stays there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import site
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,11 +77,39 @@ def test_runnable_blocks_are_found(tmp_path):
         runnable_blocks(tmp_path)
 
 
+def installs(commands) -> bool:
+    return any(_program_words(words)[:2] == [".venv/bin/pip", "install"] for _, _, words, _ in commands)
+
+
+def layered_venv(path: Path) -> None:
+    """A virtual environment at `path` of its own (its pip, its site directory first) that also sees every
+    package of the suite's environment: a .pth adds the suite's site directories, their own .pth files
+    included (the editable install of klstudy among them)."""
+    done = subprocess.run([sys.executable, "-m", "venv", str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    [own] = (path / "lib").glob("python*/site-packages")
+    (own / "suite-packages.pth").write_text("".join(f"import site; site.addsitedir({directory!r})\n"
+                                                    for directory in site.getsitepackages()))
+
+
+def test_a_layered_venv_sees_the_suite_and_keeps_what_it_installs(tmp_path):
+    layered_venv(tmp_path / "venv")
+    python = tmp_path / "venv" / "bin" / "python"
+    seen = subprocess.run([str(python), "-c", "import torch, snakemake, trainer; print(trainer.__file__)"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert seen.returncode == 0, seen.stderr
+    assert installs([(1, "", [".venv/bin/pip", "install", "-e", "x"], "")])
+    assert not installs([(1, "", [".venv/bin/python", "-m", "pytest"], "")])
+
+
 @pytest.mark.parametrize("page, line, commands", RUNS, ids=[f"{page}:{line}" for page, line, _ in RUNS])
 def test_runnable_doc_commands_run(page, line, commands, tmp_path):
+    own_venv = installs(commands)
     for entry in REPO.iterdir():
-        if entry.name not in LEFT_OUT:
+        if entry.name not in LEFT_OUT and not (own_venv and entry.name == ".venv"):
             (tmp_path / entry.name).symlink_to(entry)
+    if own_venv:
+        layered_venv(tmp_path / ".venv")
     for at, _, words, _ in commands:
         program = _program_words(words)
         # the suite's PYTHONPATH, whose warm start (tests/conftest.py) serves these jobs too; the packages come
