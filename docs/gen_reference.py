@@ -206,13 +206,14 @@ def cli_page() -> str:
 # --- the shipped studies and the benchmarks ----------------------------------------------------------------
 
 
-def _leading_comment(path: Path) -> str:
+def _summary(path: Path) -> str:
+    """The first sentence of a study config's leading comment: what it studies (the file says the rest)."""
     lines = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
         lines.append(line.lstrip("# "))
-    return " ".join(lines)
+    return re.split(r"(?<=\.)\s+", " ".join(lines), maxsplit=1)[0]
 
 
 def studies_page() -> str:
@@ -220,8 +221,8 @@ def studies_page() -> str:
 
     logging.getLogger("sweep.study.grid").setLevel(logging.ERROR)  # a study's data not yet exported is no news here
     lines = ["# The shipped studies", "", GENERATED.format(source="`workflow/config/*.yaml`"),
-             "Each study config in `workflow/config/`, what it says it studies, and the runs its grid expands",
-             "to. Run one by naming its file, as in",
+             "Each study config in `workflow/config/`, the first sentence of what it says it studies (the file",
+             "says the rest), and the runs its grid expands to. Run one by naming its file, as in",
              "`.venv/bin/snakemake --profile profiles/local --configfile workflow/config/toy_quick.yaml`",
              "(`toy.yaml` is the default: `make study`); add `-n` to see the plan without running it.", ""]
     for path in sorted((REPO / "workflow" / "config").glob("*.yaml")):
@@ -231,51 +232,51 @@ def studies_page() -> str:
         # an override file, which Snakemake merges over another study config: no models, or no study name
         if "models" not in data or "study" not in data:
             lines += [f"## `{path.relative_to(REPO)}`", "", "An override of another study config.", "",
-                      _leading_comment(path), ""]
+                      _summary(path), ""]
             continue
         study = load_study(data)
         lines += [f"## `{path.relative_to(REPO)}`", "",
                   f"Study `{study.name}`: {len(study.runs)} runs of {', '.join(f'`{m}`' for m in study.models)};"
-                  f" results under `{study.results}`.", "", _leading_comment(path), ""]
+                  f" results under `{study.results}`.", "", _summary(path), ""]
     return "\n".join(lines)
 
 
-def _options(tree: ast.AST) -> list[str]:
-    """The `add_argument` calls of a script, read from its source without running it."""
-    rows = []
+class _Argument(typing.NamedTuple):
+    """One `add_argument` call of a script, as its source says it (read, not run)."""
+
+    names: list[str]
+    metavar: str
+    help: str
+    flag: bool
+    required: bool
+
+
+def _arguments(tree: ast.AST) -> list[_Argument]:
+    """A script's `add_argument` calls, in source order, less the internal ones (help=argparse.SUPPRESS)."""
+    found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
-            names = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
-            keywords = {k.arg: k.value for k in node.keywords}
-            help_node = keywords.get("help")
-            if isinstance(help_node, ast.Attribute) and help_node.attr == "SUPPRESS":  # internal: a child's
-                continue
-            help_text = help_node.value if isinstance(help_node, ast.Constant) else ""
-            default = f"`{_cell(ast.unparse(keywords['default']))}`" if "default" in keywords else ""
-            rows.append(f"| `{' '.join(names)}` | {default} | {_cell(help_text)} |")
-    return rows
+        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"):
+            continue
+        names = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
+        keywords = {k.arg: k.value for k in node.keywords}
+        constant = {key: value.value for key, value in keywords.items() if isinstance(value, ast.Constant)}
+        if isinstance(keywords.get("help"), ast.Attribute):  # argparse.SUPPRESS: a child process's option
+            continue
+        found.append(_Argument(names, constant.get("metavar", names[-1].lstrip("-").upper().replace("-", "_")),
+                               constant.get("help", ""), constant.get("action") in ("store_true", "store_false"),
+                               bool(constant.get("required"))))
+    return found
 
 
-def _usage(tree: ast.AST, command: str) -> str:
-    """A script's usage line, as argparse would print it, from its `add_argument` calls (read, not run)."""
+def _usage(arguments: list[_Argument], command: str) -> str:
+    """A script's usage line, as argparse would print it."""
     words = [command, "[-h]"]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
-            names = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
-            keywords = {k.arg: k.value for k in node.keywords}
-            if isinstance(keywords.get("help"), ast.Attribute):  # argparse.SUPPRESS: an internal option
-                continue
-            metavar = keywords.get("metavar")
-            default_name = names[-1].lstrip("-").upper().replace("-", "_")
-            name = metavar.value if isinstance(metavar, ast.Constant) else default_name
-            if not names[0].startswith("-"):
-                words.append(name)
-                continue
-            action = keywords.get("action")
-            flag = isinstance(action, ast.Constant) and action.value in ("store_true", "store_false")
-            word = names[0] if flag else f"{names[0]} {name}"
-            required = isinstance(keywords.get("required"), ast.Constant) and keywords["required"].value
-            words.append(word if required else f"[{word}]")
+    for argument in arguments:
+        if not argument.names[0].startswith("-"):
+            words.append(argument.metavar)
+            continue
+        word = argument.names[0] if argument.flag else f"{argument.names[0]} {argument.metavar}"
+        words.append(word if argument.required else f"[{word}]")
     return " ".join(words)
 
 
@@ -285,12 +286,12 @@ def benchmarks_page() -> str:
              "reports ratios. Its docstring says what it measures; its options are below.", ""]
     for path in sorted((REPO / "benchmarks").glob("*.py")):
         tree = ast.parse(path.read_text())
+        arguments = _arguments(tree)
         paragraphs = (ast.get_docstring(tree) or "").split("\n\n")
         lines += [f"## `{path.name}`", "", " ".join(paragraphs[0].split()), "",
-                  f"`{_usage(tree, f'python benchmarks/{path.name}')}`", ""]
-        options = _options(tree)
-        if options:
-            lines += ["| option | default | what it sets |", "|---|---|---|", *options, ""]
+                  f"`{_usage(arguments, f'python benchmarks/{path.name}')}`", ""]
+        explained = [f"- `{' '.join(a.names)}`: {_cell(a.help)}" for a in arguments if a.help]
+        lines += [*explained, ""] if explained else []
     return "\n".join(lines)
 
 
@@ -316,10 +317,8 @@ if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, str(REPO))
+    from docs.regenerate import main
+
     logging.basicConfig(level=logging.WARNING)
-    if "--write" in sys.argv[1:]:
-        print("\n".join(f"wrote docs/{path}" for path in write()) or "every page was current")
-        sys.exit(0)
-    left = stale()
-    print("\n".join(f"stale: docs/{path} (python docs/gen_reference.py --write)" for path in left) or "current")
-    sys.exit(1 if left else 0)
+    sys.exit(main("docs/gen_reference.py", lambda: [f"docs/{path}" for path in stale()],
+                  lambda: [f"docs/{path}" for path in write()]))

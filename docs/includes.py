@@ -45,9 +45,7 @@ def write() -> list[str]:
 
 
 if __name__ == "__main__":
-    if "--write" in sys.argv[1:]:
-        print("\n".join(f"wrote {page}" for page in write()) or "every block was current")
-        sys.exit(0)
-    left = stale()
-    print("\n".join(f"stale: {entry} (python docs/includes.py --write)" for entry in left) or "current")
-    sys.exit(1 if left else 0)
+    sys.path.insert(0, str(REPO))
+    from docs.regenerate import main
+
+    sys.exit(main("docs/includes.py", stale, write))

@@ -49,12 +49,20 @@ def rendered(page: str) -> str:
 
 
 def stale() -> list[str]:
+    """The pages whose table is not the YAML's."""
     return [page for page in PAGES if rendered(page) != (REPO / page).read_text()]
 
 
+def write() -> list[str]:
+    """Every page's table rewritten from the YAML; the pages that changed."""
+    changed = stale()
+    for page in changed:
+        (REPO / page).write_text(rendered(page))
+    return changed
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--write"]:
-        for page in PAGES:
-            (REPO / page).write_text(rendered(page))
-    elif stale():
-        sys.exit(f"differs from docs/what_has_run.yaml: {', '.join(stale())} (python docs/what_has_run.py --write)")
+    sys.path.insert(0, str(REPO))
+    from docs.regenerate import main
+
+    sys.exit(main("docs/what_has_run.py", stale, write))

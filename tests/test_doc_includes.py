@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from docs import includes
+
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("includes", REPO / "docs" / "includes.py")
-includes = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(includes)
 
 
 def test_every_included_block_is_its_file():

@@ -3,13 +3,11 @@ repository, written from the code by docs/gen_reference.py: each one is what its
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from docs import gen_reference
+
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("gen_reference", REPO / "docs" / "gen_reference.py")
-gen_reference = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gen_reference)
 
 
 def test_every_reference_page_is_what_its_source_makes():

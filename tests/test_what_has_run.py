@@ -3,15 +3,13 @@ page's table is the YAML's, its links relative to the page and resolving in the 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from pathlib import Path
 
+from docs import what_has_run
+
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("what_has_run", REPO / "docs" / "what_has_run.py")
-what_has_run = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(what_has_run)
 
 
 def test_every_pages_table_is_the_sources():
