@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]  # the generated reference pages are not files
 PACKAGES = ("trainer", "eval", "sweep")
-SHELL = {"export", "cat", "chmod", "ssh", "rm", ".", "source", "cd", "ls", "mkdir", "test", "nvidia-cuda-mps-control",
+SHELL = {"export", "cat", "cp", "chmod", "ssh", "rm", ".", "source", "cd", "ls", "mkdir", "test", "nvidia-cuda-mps-control",
          "chromium"}
 
 
@@ -206,7 +206,13 @@ def _placeholder(value: str) -> bool:
     return bool(re.fullmatch(r"[A-Z]|<[^>]+>", value))
 
 
-def check_snakemake(words: list[str], label: str, monkeypatch) -> None:
+def written_by(page: str) -> dict[str, str]:
+    """The files a page's commands write from a here-document (`cat > NAME <<'EOF'`): name -> text."""
+    text = (REPO / page).read_text()
+    return {m.group(1): m.group(3) for m in re.finditer(r"^cat > (\S+) <<'?(\w+)'?\n(.*?)^\2$", text, re.M | re.S)}
+
+
+def check_snakemake(words: list[str], label: str, monkeypatch, written: dict[str, str] | None = None) -> None:
     import yaml
     from snakemake.cli import parse_args
     from snakemake.utils import update_config
@@ -219,13 +225,15 @@ def check_snakemake(words: list[str], label: str, monkeypatch) -> None:
             _, args = parse_args(words[1:])
         except SystemExit:
             pytest.fail(f"{label}: {err.getvalue().strip().splitlines()[-1]}")
+    written = written or {}
     configs = [Path(config) for config in args.configfile or [] if not _placeholder(str(config))]
     for config in configs:
-        assert config.is_file(), f"{label}: no {config}"
+        assert config.is_file() or str(config) in written, f"{label}: no {config}"
     if configs:
         study: dict = {}
         for config in configs:  # later files override earlier ones, as Snakemake's --configfile does
-            update_config(study, yaml.safe_load(config.read_text()))
+            text = config.read_text() if config.is_file() else written[str(config)]  # a file the page writes
+            update_config(study, yaml.safe_load(text))
         check_study(study, REPO / "workflow" / "config" / "schema.yaml")
 
 
@@ -315,7 +323,7 @@ def test_every_command_parses_as_written(page, line, text, words, kind, monkeypa
         if program == "python":
             check_python(command, kind, label)
         elif program == "snakemake":
-            check_snakemake(command, label, monkeypatch)
+            check_snakemake(command, label, monkeypatch, written_by(page))
         elif program == "mlflow":
             check_mlflow(command, label)
         elif program == "make":
