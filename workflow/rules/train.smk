@@ -58,12 +58,13 @@ def follower(followed="{params.follow}"):
 def open_live_tracking():
     """The study's experiment and parent run, before any training job starts (followers then find them in
     their record). A server that refuses this client or does not answer stops the study here, with one
-    error."""
+    error. One that is still starting (the SLURM recipe starts it in the same shell, a moment before) gets
+    about a minute: MLflow's 5 retries wait 0, 4, 8, 16 and 32 s."""
     if not LIVE_URI:
         return
     command = [PY, "-m", "sweep", "track", "--results", str(RESULTS), "--study", STUDY.name, *_uri_args(), "--open"]
     opened = subprocess.run(command, capture_output=True, text=True,
-                            env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", **os.environ})
+                            env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5", **os.environ})
     if opened.returncode != 0:
         lines = opened.stderr.strip().splitlines() or ["(no output)"]
         raise WorkflowError(f"live tracking: {lines[-1].removeprefix('ERROR sweep: ')}")
