@@ -6,9 +6,14 @@ the measured objective), synced into a sqlite store and served; the screenshots 
 import contextlib
 import os
 import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 from browser_required import PlaywrightTimeout, browser, require_browser, screenshot
+from hub_server import stop_process, wait_until_answers
 from study_fixture import write_offpolicy_study, write_study
 from test_tracking import PASSWORD, free_port, start_server, stop_server
 
@@ -183,3 +188,99 @@ def test_a_server_with_basic_auth_shows_the_study_after_login_and_refuses_withou
             screenshot(page, "mlflow_ui_logged_in")
     finally:
         stop_server(process)
+
+
+# --- docs/mlflow_ui.md's recipe, as written ----------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+GUIDE = REPO / "docs" / "mlflow_ui.md"
+RECIPE_MARKER = "<!-- recipe: the MLflow UI -->"
+SSHD = "/usr/sbin/sshd"
+NOT_LINKED = {".git", "results", ".snakemake", "site", "mlruns", "mlartifacts"}  # what the recipe writes
+
+
+def recipe_lines() -> list[list[str]]:
+    """The words of each line of docs/mlflow_ui.md's recipe, a trailing `&` (a server left running) dropped."""
+    text = GUIDE.read_text()
+    block = re.match(r"```bash\n(.*?)^```", text[text.index(RECIPE_MARKER) + len(RECIPE_MARKER) + 1:], re.M | re.S)
+    return [[w for w in shlex.split(line) if w != "&"] for line in block.group(1).splitlines()]
+
+
+def require_sshd():
+    """OpenSSH's server, for the tunnel a laptop opens; skipped without it, failed under KLSTUDY_REQUIRE_BROWSER=1
+    (CI installs both)."""
+    if not (os.path.exists(SSHD) and shutil.which("ssh")):
+        if os.environ.get("KLSTUDY_REQUIRE_BROWSER") == "1":
+            pytest.fail("KLSTUDY_REQUIRE_BROWSER=1 but no OpenSSH: apt-get install openssh-server openssh-client")
+        pytest.skip("no OpenSSH server: apt-get install openssh-server openssh-client")
+
+
+@contextlib.contextmanager
+def login_node(tmp_path: Path):
+    """An SSH server on 127.0.0.1 that stands for the cluster's login node: its port and the client's key."""
+    keys = tmp_path / "ssh"
+    keys.mkdir()
+    for name in ("host", "client"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)], check=True)
+    (keys / "authorized_keys").write_text((keys / "client.pub").read_text())
+    os.makedirs("/run/sshd", exist_ok=True)  # its privilege separation directory
+    port = free_port()
+    server = subprocess.Popen([SSHD, "-D", "-e", "-f", "/dev/null", "-p", str(port), "-h", str(keys / "host"),
+                               "-o", "ListenAddress=127.0.0.1", "-o", f"AuthorizedKeysFile={keys / 'authorized_keys'}",
+                               "-o", "StrictModes=no", "-o", "PidFile=none", "-o", "UsePAM=no"],
+                              stdout=subprocess.DEVNULL, stderr=(tmp_path / "sshd.log").open("w"),
+                              start_new_session=True)
+    try:
+        yield port, keys / "client"
+    finally:
+        stop_process(server)
+
+
+def test_the_pages_recipe_opens_the_study_here_and_through_an_ssh_tunnel(tmp_path):
+    """docs/mlflow_ui.md's recipe, its lines as written, in a directory of its own (the repository's files linked
+    into it): the quick toy study, `sweep track` printing the link, `mlflow ui` serving the study's store, and the
+    laptop's tunnel to the login node (an SSH server on 127.0.0.1 in its place, reached with a key of the test's
+    own; free ports in place of 5000). The printed link shows every grid point here and through the tunnel."""
+    require_browser()
+    require_sshd()
+    study, track, ui, tunnel = recipe_lines()
+    work = tmp_path / "work"
+    work.mkdir()
+    for entry in REPO.iterdir():
+        if entry.name not in NOT_LINKED:
+            (work / entry.name).symlink_to(entry)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ran = subprocess.run(study, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    printed = subprocess.run(track, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    link = re.search(r"the study's runs in MLflow: (\S+)", printed.stdout + printed.stderr)
+    assert link and link.group(1).startswith("http://127.0.0.1:5000/#/experiments/"), printed.stderr[-2000:]
+
+    port, laptop = free_port(), free_port()
+    assert ui[:2] == [".venv/bin/mlflow", "ui"] and ui[-2:] == ["--port", "5000"]
+    server = subprocess.Popen([*ui[:-1], str(port)], cwd=work, env=env, stdout=subprocess.DEVNULL,
+                              stderr=(tmp_path / "ui.log").open("w"), start_new_session=True)
+    processes = [server]
+    try:
+        wait_until_answers(f"http://127.0.0.1:{port}/health", server, tmp_path / "ui.log", "mlflow ui", timeout=180)
+        with login_node(tmp_path) as (ssh_port, key):
+            assert tunnel == ["ssh", "-N", "-L", "5000:127.0.0.1:5000", "login-node"]
+            forward = subprocess.Popen(
+                [*tunnel[:3], f"{laptop}:127.0.0.1:{port}", "-p", str(ssh_port), "-i", str(key), "-o", "BatchMode=yes",
+                 "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o",
+                 "ExitOnForwardFailure=yes", "127.0.0.1"],
+                stdout=subprocess.DEVNULL, stderr=(tmp_path / "ssh.log").open("w"), start_new_session=True)
+            processes.append(forward)
+            wait_until_answers(f"http://127.0.0.1:{laptop}/health", forward, tmp_path / "ssh.log", "the tunnel",
+                               timeout=60)
+            with browser() as context:
+                for at in (port, laptop):  # here, then on the laptop's end of the tunnel
+                    page = context.new_page()
+                    page.goto(link.group(1).replace(":5000", f":{at}", 1))
+                    shown = page.get_by_text(re.compile(r"^[1-9]\d* matching runs$"))
+                    shown.wait_for()
+                    assert shown.inner_text() == "4 matching runs", at  # toy_quick.yaml's four grid points
+    finally:
+        for process in reversed(processes):
+            stop_process(process)
