@@ -72,31 +72,39 @@ def _declared(spec: dataclasses.Field) -> str:
 def _section_page(prefix: str, cls: type) -> list[str]:
     """One run-config section: its fields in source order with the comments on their lines; a comment
     line of its own (`# vllm only ...`) introduces the fields after it."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    documented = _docstring_entries(cls, set(fields))
+    documented = _docstring_entries(cls, {f.name for f in dataclasses.fields(cls)})
     doc = inspect.getdoc(cls) or ""
     doc = "" if doc.startswith(f"{cls.__name__}(") else doc  # dataclass's own signature, not a docstring
     lines = [f"## `{prefix}`", ""]
     if doc and not documented:
         lines += [doc, ""]
     header = ["| key | type | default | what it does |", "|---|---|---|---|"]
-    lines += header
+    return lines + header + _field_rows(prefix, cls, header, documented) + [""]
+
+
+def _field_rows(prefix: str, cls: type, header: list[str], documented: dict[str, str]) -> list[str]:
+    """The table rows of a section's fields; a section within it (train.stop_if) as its own keys."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    rows = []
     for source in inspect.getsource(cls).splitlines():
         note = re.match(r"^    #\s?(.*)", source)
         if note:
-            lines += ["", _cell(note.group(1)), "", *header]
+            rows += ["", _cell(note.group(1)), "", *header]
             continue
         field = re.match(r"^    (\w+): [^#]*?(?:\s+#\s?(.*))?$", source)
         if not field or field.group(1) not in fields:
             continue
         name = field.group(1)
+        if dataclasses.is_dataclass(hints[name]):
+            rows += _field_rows(f"{prefix}.{name}", hints[name], header, {})
+            continue
         spec = fields[name]
         default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
         what = _cell(field.group(2) or "") or documented.get(name, "")
         what = "; ".join(part for part in (_declared(spec), what) if part)
-        lines.append(f"| `{prefix}.{name}` | `{_cell(_type_name(hints[name]))}` | `{_yaml(default)}` | {what} |")
-    return lines + [""]
+        rows.append(f"| `{prefix}.{name}` | `{_cell(_type_name(hints[name]))}` | `{_yaml(default)}` | {what} |")
+    return rows
 
 
 def run_config_page() -> str:

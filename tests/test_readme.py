@@ -44,8 +44,8 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").rglob("*.md"))]  # the generated reference pages are not files
 PACKAGES = ("trainer", "eval", "sweep")
-SHELL = {"export", "cat", "cp", "chmod", "ssh", "rm", ".", "source", "cd", "ls", "mkdir", "test", "nvidia-cuda-mps-control",
-         "chromium"}
+SHELL = {"export", "cat", "cp", "chmod", "ssh", "rm", ".", "source", "cd", "ls", "mkdir", "test",
+         "nvidia-cuda-mps-control", "chromium"}
 
 
 def _usage_tokens(words: list[str]) -> list[list[str]]:

@@ -1,6 +1,7 @@
 """Tables and figures on a fixture of known numbers."""
 
 import csv
+from pathlib import Path
 
 import pytest
 from study_fixture import write_offpolicy_study, write_run, write_study
@@ -50,6 +51,24 @@ def test_instability_flags_collapse_and_skipped_updates(tmp_path):
     assert instability(records["toy__k3-loss__b0.05__s0"], fraction=0.01) == ["1 non-finite updates skipped"]
     groups, tasks = summarize(list(records.values()))
     assert [g.label for g in groups] == ["k1-reward", "k3-loss", "no KL"] and tasks == ["math500"]
+
+
+def test_a_collapse_says_when_the_runs_ess_fell_against_its_rewards_fall():
+    """The off-policy early warning in the table's notes: the step at which the smoothed ess first fell below
+    0.5, against the step at which the smoothed reward first fell below half its peak after the peak."""
+    from sweep.runs import RunRecord
+
+    def run(ess):
+        rewards = [0.2] * 5 + [0.8] * 10 + [0.1] * 5  # a peak from step 5; its two-step average falls at step 16
+        lines = [{"step": s, "reward_mean": r, **({} if ess is None else {"ess": ess[s]})}
+                 for s, r in enumerate(rewards)]
+        return RunRecord("r", Path("r"), {}, lines)
+
+    early = [1.0] * 10 + [0.2] * 10  # below 0.5 from step 10 (its two-step average from step 11)
+    assert instability(run(early)) == ["reward collapsed to 0.100 from a peak of 0.800; its ess fell below 0.5 at "
+                                       "step 11, 5 steps before the fall (step 16)"]
+    assert instability(run([0.9] * 20))[0].endswith("; its ess stayed above 0.5")
+    assert instability(run(None)) == ["reward collapsed to 0.100 from a peak of 0.800"]  # a run without the diagnostic
 
 
 def test_the_gradient_audit_table_is_included_when_the_audit_ran(tmp_path):

@@ -35,7 +35,7 @@ def chosen(default: str, choices: tuple[str, ...]) -> Any:
 
 
 BOUNDS = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
-          "in (0, 1]": lambda v: 0 < v <= 1}  # NaN fails every one
+          "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1}  # NaN fails every one
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,14 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class StopIf:
+    """Ends a run as failed, with its reason, once its importance weights have degenerated (trainer.run.stop_rule)."""
+
+    ess_below: float = bounded(0.0, "in [0, 1]")  # the step's `ess` under this (0: no rule) ...
+    for_steps: int = bounded(1, ">= 1")  # ... in this many steps in a row
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = bounded(20, ">= 1")
     prompts_per_step: int = bounded(8, ">= 1")
@@ -91,6 +99,7 @@ class TrainConfig:
     micro_batch_size: int = bounded(0, ">= 0")  # completions per forward/backward, accumulated (0: a whole minibatch)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass
     mixed_precision: str = chosen("no", MIXED_PRECISIONS)  # bf16: compute in bfloat16 over float32 weights
+    stop_if: StopIf = field(default_factory=StopIf)  # end the run as failed when `ess` stays low
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(key, value, inner[0])
+    if dataclasses.is_dataclass(annotation):  # a section within a section (train.stop_if)
+        return _section(annotation, value, key)
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -233,6 +244,16 @@ def _check_declared(key: str, value: Any, spec: dataclasses.Field) -> None:
         raise ConfigError(key, f"{value!r} is not one of {', '.join(choices)}")
 
 
+def _check_section(prefix: str, values: Any) -> None:
+    """The declared bounds and choices of a section's fields, and of the sections within it."""
+    for spec in dataclasses.fields(values):
+        value = getattr(values, spec.name)
+        if dataclasses.is_dataclass(value):
+            _check_section(f"{prefix}.{spec.name}", value)
+        else:
+            _check_declared(f"{prefix}.{spec.name}", value, spec)
+
+
 def validate(config: RunConfig) -> None:
     """The bounds and choices declared beside the fields, then the checks across fields, that need no model
     or data (the objective's section checked itself when it was made)."""
@@ -240,9 +261,7 @@ def validate(config: RunConfig) -> None:
     if not config.model.path:
         raise ConfigError("model.path", "required (a local model directory or a hub id)")
     for section in dataclasses.fields(RunConfig):
-        values = getattr(config, section.name)
-        for spec in dataclasses.fields(values):
-            _check_declared(f"{section.name}.{spec.name}", getattr(values, spec.name), spec)
+        _check_section(section.name, getattr(config, section.name))
     m = config.measure
     for key in ("samples", "reference_samples"):
         if m.prompts and getattr(m, key) < 1:

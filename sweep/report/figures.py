@@ -24,7 +24,7 @@ from trainer.measure.optimum import frontier, optimal_kl, optimal_reward, optima
 from trainer.objective import estimators
 from trainer.objective.placements import kl_placements
 
-CURVES = ("reward_mean", "kl_k3", "entropy", "response_length")
+CURVES = ("reward_mean", "kl_k3", "entropy", "response_length", "ess")  # ess: off-policy's early warning
 # styles by name (sweep.report.styles); the reward-against-KL figure: marker = estimator, fill = placement,
 # colour = beta
 

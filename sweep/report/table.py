@@ -26,18 +26,49 @@ REFERENCE = "reference"
 SIGNIFICANCE = 0.05
 
 
+ESS_WARNING = 0.5  # an `ess` this low: most of a step's importance weight on a few of its tokens
+
+
+def _smoothed(values: list[float]) -> list[float]:
+    """A trailing moving average over a tenth of the run (at least one step)."""
+    window = max(1, len(values) // 10)
+    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def _first(values: list[float], below: float, start: int = 0) -> int | None:
+    return next((i for i in range(start, len(values)) if values[i] < below), None)
+
+
+def _warning(record: RunRecord, fell: int) -> str:
+    """When, against the reward's fall at index `fell`, the run's smoothed `ess` first fell below ESS_WARNING:
+    the early warning that an off-policy collapse is coming, or its absence."""
+    ess = [float(m["ess"]) for m in record.metrics if "ess" in m]
+    if len(ess) != len(record.metrics):
+        return ""
+    steps = [m["step"] for m in record.metrics]
+    warned = _first(_smoothed(ess), ESS_WARNING)
+    if warned is None:
+        return f"; its ess stayed above {ESS_WARNING}"
+    lead = steps[fell] - steps[warned]
+    when = f"{lead} steps before" if lead > 0 else ("at the same step as" if lead == 0 else f"{-lead} steps after")
+    return f"; its ess fell below {ESS_WARNING} at step {steps[warned]}, {when} the fall (step {steps[fell]})"
+
+
 def instability(record: RunRecord, fraction: float = 0.5) -> list[str]:
     """Why a run counts as unstable: reward or pass rate collapsing below `fraction` of its peak
-    (on a moving average), or updates skipped for NaN/inf."""
+    (on a moving average), or updates skipped for NaN/inf. A reward's collapse says when the run's
+    `ess` fell below ESS_WARNING, against the step the reward first fell below the bound after its peak."""
     reasons = []
     for key, name in (("reward_mean", "reward"), ("pass_rate", "pass rate")):
         values = [float(m[key]) for m in record.metrics if key in m]
         if len(values) < 2:
             continue
-        window = max(1, len(values) // 10)
-        smooth = [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+        smooth = _smoothed(values)
         if max(smooth) > 0 and smooth[-1] < fraction * max(smooth):
-            reasons.append(f"{name} collapsed to {smooth[-1]:.3f} from a peak of {max(smooth):.3f}")
+            peak = smooth.index(max(smooth))
+            fell = _first(smooth, fraction * max(smooth), peak)
+            warning = _warning(record, fell) if key == "reward_mean" else ""
+            reasons.append(f"{name} collapsed to {smooth[-1]:.3f} from a peak of {max(smooth):.3f}{warning}")
     skipped = sum(float(m.get("skipped_updates", 0)) for m in record.metrics)
     if skipped:
         reasons.append(f"{int(skipped)} non-finite updates skipped")

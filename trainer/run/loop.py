@@ -40,7 +40,8 @@ from trainer.run.measurement import ObjectiveMeasurement
 from trainer.run.policies import Policies
 from trainer.run.producer import Producer
 from trainer.run.step import Learner, run_step
-from trainer.run_files import METRICS, OBJECTIVE
+from trainer.run.stop_rule import StopRule
+from trainer.run_files import METRICS, OBJECTIVE, read_metrics
 from trainer.tasks import Task, make_task
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,8 @@ class Run:
         self.checkpoints.restore(self.state, self.policies, self.producer, self.verifier)
         if self.measurement is not None and s.step < c.train.steps:
             self.measurement.prepare(s.step)
+        done = read_metrics(self.out / METRICS) if c.train.stop_if.ess_below else []  # a resumed run's streak
+        rule = StopRule(c.train.stop_if, [m for m in done if m["step"] < s.step])  # truncated or not yet
         metrics_file = (self.out / METRICS).open("a") if main else None
         bar = progress_bar(c.train.steps, "train", show=None if main else False)
         bar.update(s.step)
@@ -184,6 +187,7 @@ class Run:
                     metrics_file.flush()
                 bar.update()
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl_k3']:.4f}")
+                rule.check(metrics)  # every process: their metrics are the same
                 if self._due_for_measurement():
                     beta = s.coefficient.objective(c.objective).beta
                     measured = self.measurement.measure(s.step, self.policies, beta)

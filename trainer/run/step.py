@@ -30,7 +30,7 @@ from trainer.objective.loss import (
 )
 from trainer.objective.objective_config import ObjectiveConfig
 from trainer.run.errors import TrainingError
-from trainer.run.metrics import StepTimes, mismatch_sums, step_metrics
+from trainer.run.metrics import StepTimes, importance_parts, mismatch_sums, step_metrics
 from trainer.run.policies import Policies
 from trainer.run.producer import PendingBatch, Producer
 from trainer.run.state import TrainState
@@ -58,24 +58,28 @@ def run_step(config: RunConfig, learner: Learner, producer: Producer, engine, ve
     entry = producer.next(state)  # rollouts and rewards
     t_gen = time.perf_counter()
     sb = step_batch(entry, learner.policies, config, objective, producer.tokenizer.pad_token_id)
-    updates, trainer_logp = train_on(sb, learner, objective)
+    updates, trainer_logp, current_logp = train_on(sb, learner, objective)
     mismatch = mismatch_sums(sb.engine_logp, trainer_logp, sb.batch.completion_mask)
+    weights = importance_parts(sb.engine_logp, current_logp, sb.batch.completion_mask)
     move_targets(learner, config.objective, sb.batch, trainer_logp, sb.ref_logp, producer.pending)
     engine.sync_weights()
     times = StepTimes(t0, t_gen, time.perf_counter())
-    metrics = step_metrics(sb, updates, mismatch, learner.state, learner.train, learner.world, verifier.counts, times)
+    metrics = step_metrics(sb, updates, mismatch, learner.state, learner.train, learner.world, verifier.counts, times,
+                           weights)
     metrics["kl_coef"] = objective.beta
     state.step += 1
     return metrics
 
 
 def train_on(sb: StepBatch, learner: Learner, objective: ObjectiveConfig
-             ) -> tuple[list[dict[str, float]], torch.Tensor]:
+             ) -> tuple[list[dict[str, float]], torch.Tensor, torch.Tensor]:
     """Every update of the step: `train.epochs` passes over `train.minibatches` minibatches. The updates'
-    statistics, and the trainer's log-probs of the samples under the policy that sampled them (made by the
-    first update's pass where the batch has none)."""
+    statistics; the trainer's log-probs of the samples under the policy that sampled them (made by the
+    first update's pass where the batch has none); and under the policy as the first epoch's updates saw
+    it, the pi of the importance weights the objective applied (the step's `ess`)."""
     t = learner.train
     made = None if sb.trainer_logp is not None else []  # by the update's first pass
+    current: list[torch.Tensor] = []
     rows = len(sb.entry.rollouts) // t.minibatches
     updates: list[dict[str, float]] = []
     for epoch in range(t.epochs):
@@ -86,8 +90,12 @@ def train_on(sb: StepBatch, learner: Learner, objective: ObjectiveConfig
             if sequence_kl is not None and moved and objective.reward_kl == "current":
                 sequence_kl = current_reward_kl(learner.policies, objective, minibatch, t.micro_batch_size)
             adv = minibatch_advantages(learner.world, t.group_size, objective, minibatch, sequence_kl)
-            updates.append(update(learner, objective, minibatch, adv, with_entropy=epoch == 0, logp_out=made))
-    return updates, torch.cat(made) if made is not None else sb.trainer_logp
+            seen: list[torch.Tensor] = []
+            updates.append(update(learner, objective, minibatch, adv, with_entropy=epoch == 0, logp_out=seen))
+            for kept in (made, current if epoch == 0 else None):
+                if kept is not None:
+                    kept.extend(seen)
+    return updates, torch.cat(made) if made is not None else sb.trainer_logp, torch.cat(current)
 
 
 @torch.no_grad()
