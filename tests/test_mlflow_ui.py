@@ -8,7 +8,9 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -231,6 +233,15 @@ def login_node(tmp_path: Path):
                               stdout=subprocess.DEVNULL, stderr=(tmp_path / "sshd.log").open("w"),
                               start_new_session=True)
     try:
+        deadline = time.monotonic() + 60
+        while True:  # listening: a client started before would be refused
+            assert server.poll() is None, f"sshd exited: {(tmp_path / 'sshd.log').read_text()}"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"sshd did not listen: {(tmp_path / 'sshd.log').read_text()}"
+                time.sleep(0.1)
         yield port, keys / "client"
     finally:
         stop_process(server)
