@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import cluster_up, cold_environment, on_cluster
+from doc_recipes import linked_copy, recipe_block
 from hub_mirror import MODEL_ID
 from hub_server import stop_process, wait_until_answers
 from run_helpers import assert_trains_as_one_process
@@ -239,9 +240,7 @@ NOT_LINKED = {".git", "results", ".snakemake", "site", "data", ".hf-cache", "my-
 
 def recipe(marker: str) -> list[str]:
     """The lines of the docs/guides/slurm.md block after `marker`."""
-    text = GUIDE.read_text()
-    block = re.match(r"```bash\n(.*?)^```", text[text.index(marker) + len(marker) + 1:], re.M | re.S)
-    return block.group(1).splitlines()
+    return recipe_block(GUIDE, marker)
 
 
 def on_the_hosts(lines: list[str], port: int) -> list[str]:
@@ -318,11 +317,7 @@ def test_the_paper_study_at_cpu_size_runs_across_the_hosts_as_the_guide_says(hos
     assert hub_command[:2] == [".venv/bin/python", "tests/hub_server.py"] and "--outside" in hub_command
     hub_command[-1] = str(tmp_path / "hub")  # its directory, in the test's own
     servers = [started_as_written(hub_command, REPO, tmp_path / "hub.log", cold)]
-    work = tmp_path / "login"
-    work.mkdir()
-    for entry in REPO.iterdir():
-        if entry.name not in NOT_LINKED:
-            (work / entry.name).symlink_to(entry)
+    work = linked_copy(tmp_path / "login", NOT_LINKED)
     port = free_port()
     tracking = f"http://{LOGIN_NAME}:{port}"
     script = work / "recipe.sh"

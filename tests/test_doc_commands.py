@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from doc_recipes import BLOCK, linked_copy
 from test_readme import _bash_commands, _program_words
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +38,7 @@ def runnable_blocks(docs: Path = DOCS) -> list[tuple[str, int, list[tuple[int, s
     for page in sorted(docs.rglob("*.md")):
         text = page.read_text()
         for marker in MARKER.finditer(text):
-            block = re.compile(r"```bash\n(.*?)^```", re.M | re.S).match(text, marker.end())
+            block = BLOCK.match(text, marker.end())
             name, line = str(page.relative_to(docs.parent)), text[:marker.start()].count("\n") + 1
             assert block, f"{name} line {line}: {marker.group(0).strip()} is not followed by a ```bash block"
             found.append((name, line + 2, _bash_commands(block.group(1).splitlines(), line + 2), marker.group(1)))
@@ -105,9 +106,7 @@ def test_a_layered_venv_sees_the_suite_and_keeps_what_it_installs(tmp_path):
 @pytest.mark.parametrize("page, line, commands", RUNS, ids=[f"{page}:{line}" for page, line, _ in RUNS])
 def test_runnable_doc_commands_run(page, line, commands, tmp_path):
     own_venv = installs(commands)
-    for entry in REPO.iterdir():
-        if entry.name not in LEFT_OUT and not (own_venv and entry.name == ".venv"):
-            (tmp_path / entry.name).symlink_to(entry)
+    linked_copy(tmp_path, LEFT_OUT | ({".venv"} if own_venv else set()))
     if own_venv:
         layered_venv(tmp_path / ".venv")
     for at, _, words, _ in commands:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from browser_required import PlaywrightTimeout, browser, require_browser, screenshot
+from doc_recipes import linked_copy, recipe_block
 from hub_server import stop_process, wait_until_answers
 from study_fixture import write_offpolicy_study, write_study
 from test_tracking import PASSWORD, free_port, start_server, stop_server
@@ -203,9 +204,7 @@ NOT_LINKED = {".git", "results", ".snakemake", "site", "mlruns", "mlartifacts"} 
 
 def recipe_lines() -> list[list[str]]:
     """The words of each line of docs/mlflow_ui.md's recipe, a trailing `&` (a server left running) dropped."""
-    text = GUIDE.read_text()
-    block = re.match(r"```bash\n(.*?)^```", text[text.index(RECIPE_MARKER) + len(RECIPE_MARKER) + 1:], re.M | re.S)
-    return [[w for w in shlex.split(line) if w != "&"] for line in block.group(1).splitlines()]
+    return [[w for w in shlex.split(line) if w != "&"] for line in recipe_block(GUIDE, RECIPE_MARKER)]
 
 
 def require_sshd():
@@ -255,11 +254,7 @@ def test_the_pages_recipe_opens_the_study_here_and_through_an_ssh_tunnel(tmp_pat
     require_browser()
     require_sshd()
     study, track, ui, tunnel = recipe_lines()
-    work = tmp_path / "work"
-    work.mkdir()
-    for entry in REPO.iterdir():
-        if entry.name not in NOT_LINKED:
-            (work / entry.name).symlink_to(entry)
+    work = linked_copy(tmp_path / "work", NOT_LINKED)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ran = subprocess.run(study, cwd=work, env=env, capture_output=True, text=True, timeout=900)
     assert ran.returncode == 0, ran.stderr[-3000:]
