@@ -22,11 +22,16 @@ class StepTimes(NamedTuple):
     end: float
 
 
+def _log_ratio(logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log(pi / mu_engine) of each sampled token in float64, 0 where `mask` is."""
+    return (logp.double() - engine_logp.double()) * mask
+
+
 def mismatch_sums(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far the engine's log-probs of sampled tokens are from the trainer's, as sums over tokens
     (so that processes add up): |delta log p| and k3 = r - 1 - log r with r = pi_trainer / mu_engine,
     whose mean estimates KL(mu_engine || pi_trainer) per token from the engine's samples (>= 0)."""
-    log_ratio = (trainer_logp.double() - engine_logp.double()) * mask
+    log_ratio = _log_ratio(trainer_logp, engine_logp, mask)
     k3 = (torch.expm1(log_ratio) - log_ratio) * mask  # expm1 in float64: no rounding below 0 near r = 1
     return {"abs_sum": float(log_ratio.abs().sum()), "abs_max": float(log_ratio.abs().max()),  # pack: >= 1 column
             "k3_sum": float(k3.sum()), "tokens": float(mask.sum())}
@@ -47,7 +52,7 @@ def importance_parts(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask
     """The importance weights w = pi_trainer / mu_engine of the sampled tokens ("token") and of whole
     completions ("sequence", the product of their tokens' weights), as parts that processes add up
     (effective_sample_size)."""
-    log_ratio = (trainer_logp.double() - engine_logp.double()) * mask
+    log_ratio = _log_ratio(trainer_logp, engine_logp, mask)
     rows = mask.sum(dim=1) > 0
     return {"token": _shifted(log_ratio[mask.bool()]), "sequence": _shifted(log_ratio.sum(dim=1)[rows])}
 
