@@ -110,6 +110,22 @@ def test_each_run_says_which_study_key_set_each_value_and_an_error_names_that_ke
     assert run.source("train.adam_betas[1]") == "run.train.adam_betas[1]"  # toy.yaml sets them
     assert run.source("checkpoint.keep_every") == "evaluate.every" and run.source("model.path") == "models.toy-sft"
     assert run.source("train.weight_decay") is None  # the trainer's default
+    baseline = study.run("toy-sft__none__async1__s1")
+    assert baseline.source("objective.placement") == "grid.baseline" and baseline.source("train.seed") == "grid.seeds"
+    assert baseline.source("objective.beta") is None and baseline.source("objective.estimator") is None
+    config["grid"]["include"] = [{"estimator": "k2", "placement": "loss", "beta": 0.3, "train.async_level": 1},
+                                 {"placement": "none", "seed": 7}]
+    included = load_study(config)
+    extra = included.run("toy-sft__k2-loss__b0.3__async1__s0")
+    assert {extra.source(key) for key in ("objective.estimator", "objective.beta", "train.seed")} == {"grid.include[0]"}
+    assert extra.source("train.async_level") == "grid.include[0].train.async_level"
+    alone = included.run("toy-sft__none__s7")
+    assert alone.source("objective.placement") == "grid.include[1]" and alone.source("objective.beta") is None
+    preset = toy_config()
+    preset["grid"] = {"betas": [0.1], "seeds": [0], "baseline": False, "axes": {"objective.preset": ["paper-k3-loss"]}}
+    [k3] = load_study(preset).runs
+    assert k3.source("objective.estimator") == "grid.axes.objective.preset" == k3.source("objective.placement")
+    assert k3.source("objective.beta") == "grid.betas"
     axis = toy_config()
     axis["grid"] = {"betas": [0.1], "seeds": [0], "baseline": False, "axes": {"objective.preset": ["paper-icepop"]}}
     axis["run"]["objective"] = {"pg_ratio": "sequence"}  # IcePop's token-ratio bounds have no token ratio

@@ -30,7 +30,7 @@ from typing import Any
 
 from sweep.study.checks import StudyError, mapping, merge
 from sweep.study.config_schema import schema_problem
-from sweep.study.points import Expansion, run_id
+from sweep.study.points import Expansion, Point, run_id
 from sweep.study.study_schema import default, defaults
 
 __all__ = ["ModelSpec", "RunSpec", "Study", "StudyError", "load_study", "run_id"]
@@ -230,19 +230,34 @@ _STANDARD_AXES = {"objective.estimator": "grid.estimators", "objective.placement
 
 def _sources(shared: dict[str, Any], model: ModelSpec, axes: list[str], every: int) -> dict[str, str]:
     """Which study key sets each run-config key of `model`'s runs (RunSpec.sources), the later winning as
-    the configs merge: the study's `run`, the model's `run`, the model itself, the grid, evaluate.every."""
+    the configs merge: the study's `run`, the model's `run`, the model itself, the grid's axes, evaluate.every.
+    The standard axes are each point's own (_point_sources)."""
     found = {}
     for origin, config in (("run", shared), (f"models.{model.name}.run", model.run)):
         for section, values in config.items():
             for key in values if isinstance(values, dict) else ():
                 found[f"{section}.{key}"] = f"{origin}.{section}.{key}"
     found.update({"model.path": f"models.{model.name}", "model.name": f"models.{model.name}"})
-    found.update(_STANDARD_AXES)
     found.update({key: f"grid.axes.{key}" for key in axes})
     if every:
         found["checkpoint.keep_every"] = "evaluate.every"
         found.setdefault("measure.every", "evaluate.every")
     return found
+
+
+def _point_sources(model_sources: dict[str, str], point: Point) -> dict[str, str]:
+    """`model_sources` with the keys the point itself sets: the grid's lists (an objective preset's estimator and
+    placement its own), the baseline's placement `grid.baseline`, an include entry's every value that entry."""
+    if point.origin.startswith("grid.include"):
+        keys = _STANDARD_AXES if point.placement != "none" else ("objective.placement", "train.seed")
+        own = dict.fromkeys(keys, point.origin)
+        return {**model_sources, **own, **{key: f"{point.origin}.{key}" for key in point.extra}}
+    if point.placement == "none" and point.origin == "grid.baseline":
+        return {**model_sources, "objective.placement": point.origin, "train.seed": "grid.seeds"}
+    own = dict(_STANDARD_AXES) if point.placement != "none" else {"train.seed": "grid.seeds"}
+    if "objective.preset" in model_sources:
+        own.update({key: model_sources["objective.preset"] for key in ("objective.estimator", "objective.placement")})
+    return {**model_sources, **own}
 
 
 def _data(raw: Any) -> dict[str, dict[str, Any]]:
@@ -311,7 +326,7 @@ def load_study(data: dict[str, Any], schema_file: Path | None = None) -> Study:
         coords = {"model": point.model, "estimator": point.estimator, "placement": point.placement,
                   "beta": point.beta, **{key: expansion.value(point, key) for key in expansion.names},
                   "seed": point.seed}
-        run = RunSpec(point.run_id, coords, config, sources[point.model])
+        run = RunSpec(point.run_id, coords, config, _point_sources(sources[point.model], point))
         if shape not in validated:
             validated[shape] = _check_run_config(config, run, expansion.names)
         checked = validated[shape]

@@ -56,6 +56,7 @@ class Point:
     beta: float | None
     seed: int
     extra: dict[str, Any] = field(default_factory=dict)
+    origin: str = field(default="grid", compare=False)  # the study key that made it: grid.baseline, grid.include[i]
 
     @property
     def run_id(self) -> str:
@@ -185,7 +186,8 @@ class Expansion:
         if baseline:
             plain = list({json.dumps(x, sort_keys=True): x for x in
                           ({k: v for k, v in x.items() if k != PRESET} for x in combos)}.values())
-            raw += [(m, None, "none", None, s, x) for m, x, s in itertools.product(models, plain, seeds)]
+            raw += [(m, None, "none", None, s, x, "grid.baseline")
+                    for m, x, s in itertools.product(models, plain, seeds)]
         raw += self._include(models)
         points = [self._point(*entry) for entry in raw]
         exclude = self._patterns()
@@ -212,9 +214,9 @@ class Expansion:
         return point.extra.get(key, coords.lookup(self.base[point.model], key))
 
     def _point(self, model: str, estimator: str | None, placement: str, beta: float | None, seed: int,
-               extra: dict[str, Any]) -> Point:
+               extra: dict[str, Any], origin: str = "grid") -> Point:
         """The point, without the extra values its run does not use or that equal the base's."""
-        point = Point(model, estimator, placement, beta, seed, extra)
+        point = Point(model, estimator, placement, beta, seed, extra, origin)
         inert = coords.inert_keys(merge(self.base[model], point.overrides()))
         used = {key: extra[key] for key in self.names if key in extra and key not in inert
                 and extra[key] != coords.lookup(self.base[model], key)}
@@ -251,7 +253,7 @@ class Expansion:
                 if placement not in PLACEMENTS:
                     raise StudyError(f"{key}.placement: {placement!r} is not one of {', '.join(PLACEMENTS.names)}")
                 if placement == "none":
-                    raw += [(m, None, "none", None, s, x)
+                    raw += [(m, None, "none", None, s, x, key)
                             for m, x, s in itertools.product(values["model"], combos, values["seed"])]
                     continue
                 if not values["estimator"] or not values["beta"]:
@@ -260,7 +262,7 @@ class Expansion:
                     if e not in ESTIMATORS:
                         raise StudyError(f"{key}.estimator: {e!r} is not one of {', '.join(ESTIMATORS.names)}")
                 betas = [float(number(b, f"{key}.beta", minimum=0)) for b in values["beta"]]
-                raw += [(m, e, placement, b, s, x) for m, e, b, x, s in
+                raw += [(m, e, placement, b, s, x, key) for m, e, b, x, s in
                         itertools.product(values["model"], values["estimator"], betas, combos, values["seed"])]
         return raw
 
