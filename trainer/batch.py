@@ -108,10 +108,14 @@ class HeadInputs:
     scale: float = 1.0    # the constant the model multiplies its output layer's logits by
 
 
-def states_of_rows(states: HeadInputs, batch: PackedBatch, index: slice) -> HeadInputs:
+def completion_counts(batch: PackedBatch) -> list[int]:
+    """Each row's completion tokens, on the host: where its `completion_states` lie (states_of_rows)."""
+    return batch.completion_mask.sum(-1).long().tolist()
+
+
+def states_of_rows(states: HeadInputs, counts: list[int], index: slice) -> HeadInputs:
     """The part of a batch's `completion_states` that belongs to its rows `index` (a slice with a step of 1):
-    the states hold the completion tokens row after row."""
-    counts = batch.completion_mask.sum(-1).long().tolist()
+    the states hold the completion tokens row after row, `counts` of them each (completion_counts)."""
     start = sum(counts[: index.start or 0])
     stop = start + sum(counts[index])
     return HeadInputs(states.hidden[start:stop], states.weight, states.bias, states.scale)

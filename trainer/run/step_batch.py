@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.batch import HeadInputs, PackedBatch, pack, states_of_rows, token_matrix
+from trainer.batch import HeadInputs, PackedBatch, completion_counts, pack, states_of_rows, token_matrix
 from trainer.config import RunConfig
 from trainer.objective.kl_terms import reward_kl
 from trainer.objective.objective_config import ObjectiveConfig
@@ -28,6 +28,7 @@ class StepBatch:
                   the update's first pass makes them (`Producer.update_makes_trainer_logprobs`)
     old_logp      the behaviour policy of the importance ratio, or None exactly on policy
     sampler_kl    each response's KL in the reward, under the sampler (None without a KL in the reward)
+    state_counts  each row's completion tokens, where `ref_states` holds them (read from the device once a step)
     """
 
     entry: PendingBatch
@@ -39,13 +40,16 @@ class StepBatch:
     trainer_logp: torch.Tensor | None
     old_logp: torch.Tensor | None
     sampler_kl: torch.Tensor | None
+    state_counts: list[int] | None = None
 
     def rows(self, part: slice) -> "StepBatch":
         """The rows `part` (a slice with a step of 1): a minibatch of the step, or a micro-batch of one."""
-        states = None if self.ref_states is None else states_of_rows(self.ref_states, self.batch, part)
+        states = counts = None
+        if self.ref_states is not None:
+            states, counts = states_of_rows(self.ref_states, self.state_counts, part), self.state_counts[part]
         return StepBatch(self.entry, self.batch.rows(part), self.rewards[part], self.ref_logp[part], states,
                          self.engine_logp[part], _rows(self.trainer_logp, part), _rows(self.old_logp, part),
-                         _rows(self.sampler_kl, part))
+                         _rows(self.sampler_kl, part), counts)
 
 
 def step_batch(entry: PendingBatch, policies: Policies, config: RunConfig, objective: ObjectiveConfig,
@@ -70,4 +74,5 @@ def step_batch(entry: PendingBatch, policies: Policies, config: RunConfig, objec
                                                                            trainer_logp.shape[1]).to(device)
         sampler_kl = reward_kl(objective, trainer_logp, ref_logp, batch.completion_mask, token_kl)
     return StepBatch(entry, batch, rewards, ref_logp, ref_states, engine_logp, trainer_logp,
-                     None if exactly_on_policy else behaviour, sampler_kl)
+                     None if exactly_on_policy else behaviour, sampler_kl,
+                     None if ref_states is None else completion_counts(batch))
