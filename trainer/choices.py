@@ -7,6 +7,7 @@ when asked, never here: a plugin registers into them (`trainer.objective.plugins
 """
 
 REWARD_KL_POLICIES = ("sampler", "current")
+KL_TARGETS = ("reference", "behaviour", "both")  # objective.kl_to: the policy a KL pulls toward
 TIS_MODES = ("truncate", "mask")
 TIS_LEVELS = ("token", "sequence", "geometric")
 TASK_NAMES = ("arithmetic", "countdown", "math")

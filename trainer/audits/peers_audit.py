@@ -127,7 +127,36 @@ def addition_cases(beta: float = 0.1, length: int = 2) -> list[Case]:
     cases += [Case("policy-gradient ratio", label, replace(none, **values), none, "off-policy", theory, scale="1")
               for label, values, theory in ratios]
     cases += aggregation_cases(none, k3_loss, length)
+    cases += behaviour_cases(none)
     return cases + unaudited_cases(cases, none, k3_loss)
+
+
+# What a KL to mu (objective.kl_to behaviour, placement loss) differentiates, by estimator and KL-loss weight,
+# from samples of mu (docs/concepts/theory.md, "A KL to the behaviour policy"); exactly on-policy, zero for all.
+BEHAVIOUR_THEORY = {
+    ("k1", "none"): "-KL(mu||pi)", ("k1", "detached"): "zero", ("k1", "sequence"): "zero",
+    ("k1", "differentiable"): "prefix KL(pi||mu), mu's prefixes",
+    ("k2", "none"): "E_mu[k2]", ("k2", "detached"): "prefix KL(pi||mu), mu's prefixes",
+    ("k2", "sequence"): "prefix KL(pi||mu)",
+    ("k3", "detached"): "KL(mu||pi)", ("k3", "differentiable"): "prefix KL(pi||mu), mu's prefixes",
+    ("k3", "sequence"): "prefix KL(mu||pi)", ("k3", "score"): "E_mu[k2]",
+}
+BEHAVIOUR_TARGETS = ("KL(pi||mu)", "KL(mu||pi)", "-KL(mu||pi)", "prefix KL(pi||mu), mu's prefixes",
+                     "prefix KL(pi||mu)", "prefix KL(mu||pi)", "E_mu[k2]")
+
+
+def behaviour_cases(none: ObjectiveConfig) -> list[Case]:
+    """A KL to mu in the loss, for each sampled estimator and KL-loss weight that needs no engine of its own:
+    exactly on-policy its part vanishes in expectation; from samples of mu, what it pulls toward."""
+    cases = []
+    for estimator in ("k1", "k2", "k3"):
+        for ratio in ("none", "detached", "differentiable", "sequence", "score"):
+            config = replace(none, estimator=estimator, placement="loss", kl_to="behaviour", kl_loss_ratio=ratio)
+            cases += [Case("KL to mu", f"{estimator} loss to mu, {ratio}", config, none, sampling, theory,
+                           scale="behaviour")
+                      for sampling, theory in (("on-policy", "zero"),
+                                               ("off-policy", BEHAVIOUR_THEORY.get((estimator, ratio), "")))]
+    return cases
 
 
 def aggregation_cases(none: ObjectiveConfig, k3_loss: ObjectiveConfig, length: int) -> list[Case]:
@@ -171,6 +200,15 @@ def _targets(inst: AuditInstance) -> dict[str, Tensor]:
     targets["per-prefix entropy"] = -grad_of(lambda th: tabular.prefix_entropy(space, th))
     targets["sequence entropy"] = -grad_of(lambda th: tabular.sequence_entropy(space, th))
     targets["exact"] = -targets["reward"]
+    mu = inst.behaviour_logits
+    mu_seq = space.seq_logp(mu)
+    targets["KL(pi||mu)"] = grad_of(lambda th: tabular.sequence_kl(space, th, mu_seq))
+    targets["KL(mu||pi)"] = grad_of(lambda th: (mu_seq.exp() * (mu_seq - space.seq_logp(th))).sum())
+    targets["-KL(mu||pi)"] = -targets["KL(mu||pi)"]
+    targets["prefix KL(pi||mu), mu's prefixes"] = grad_of(lambda th: tabular.prefix_kl(space, th, mu, "reverse", mu))
+    targets["prefix KL(pi||mu)"] = grad_of(lambda th: tabular.prefix_kl(space, th, mu, "reverse"))
+    targets["prefix KL(mu||pi)"] = grad_of(lambda th: tabular.prefix_kl(space, th, mu, "forward"))
+    targets["E_mu[k2]"] = grad_of(lambda th: tabular.prefix_squared_log_ratio(space, th, mu))
     return targets
 
 
@@ -192,7 +230,7 @@ def _part(inst: AuditInstance, case: Case, group_size: int, groups: Tensor) -> t
     if case.scale == "1":
         return expectation(grads, weights), variance(grads, weights), variance(grads, weights)
     base, _ = group_gradients(inst, case.base, group_size, off_policy, groups, engine)
-    scale = case.config.entropy_coef if case.scale == "entropy" else case.config.beta
+    scale = case.config.entropy_coef if case.scale == "entropy" else case.config.beta  # kl_to behaviour: its beta
     part = (grads - base) / scale
     return expectation(part, weights), variance(part, weights), variance(grads, weights)
 
@@ -203,6 +241,11 @@ def _verdict(part: Tensor, targets: dict[str, Tensor], case: Case, tol: float) -
         return " = ".join(names) if names else "biased"
     if case.scale == "1":
         return "exact" if rel_error(part, targets["exact"]) <= tol else "biased"
+    if case.scale == "behaviour":  # toward mu: zero in units of the reference KL's gradient, else mu's targets
+        if float(part.norm()) <= tol * float(targets["unbiased"].norm()):
+            return "zero"
+        names = [n for n in BEHAVIOUR_TARGETS if rel_error(part, targets[n]) <= tol]
+        return " = ".join(names) if names else "other"
     return verdict(part, targets, tol)
 
 

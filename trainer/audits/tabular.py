@@ -115,8 +115,10 @@ def sequence_kl(space: SequenceSpace, logits: Tensor, target_logp: Tensor) -> Te
     return (logp.exp() * (logp - target_logp)).sum()
 
 
-def prefix_kl(space: SequenceSpace, logits: Tensor, ref_logits: Tensor, direction: str) -> Tensor:
-    """Sum over prefixes of sg(P_pi(prefix)) * KL at that prefix, prefix distribution held fixed.
+def prefix_kl(space: SequenceSpace, logits: Tensor, ref_logits: Tensor, direction: str,
+              prefix_logits: Tensor | None = None) -> Tensor:
+    """Sum over prefixes of sg(P_pi(prefix)) * KL at that prefix, prefix distribution held fixed (that of
+    `prefix_logits` when given: a sampler's).
 
     direction "reverse": KL(pi(.|prefix) || pi_ref(.|prefix)) (what k2-loss optimises);
     direction "forward": KL(pi_ref(.|prefix) || pi(.|prefix)) (what k3-loss optimises).
@@ -128,7 +130,16 @@ def prefix_kl(space: SequenceSpace, logits: Tensor, ref_logits: Tensor, directio
         per_row = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
     else:
         raise ValueError(f"direction must be 'reverse' or 'forward', got {direction!r}")
-    return (space.prefix_probs(logits).detach() * per_row).sum()
+    reach = space.prefix_probs(logits if prefix_logits is None else prefix_logits).detach()
+    return (reach * per_row).sum()
+
+
+def prefix_squared_log_ratio(space: SequenceSpace, logits: Tensor, target_logits: Tensor) -> Tensor:
+    """E over the target's prefixes and tokens of (log pi - log target)^2 / 2: what k2 toward the sampler,
+    unweighted, differentiates (a divergence, 0 only at pi = target, but no KL)."""
+    logp, target = torch.log_softmax(logits, -1), torch.log_softmax(target_logits, -1)
+    per_row = (target.exp() * (logp - target) ** 2).sum(-1) / 2
+    return (space.prefix_probs(target_logits).detach() * per_row).sum()
 
 
 def prefix_entropy(space: SequenceSpace, logits: Tensor) -> Tensor:

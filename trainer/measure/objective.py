@@ -93,7 +93,8 @@ class ObjectiveProbe:
         self.held_out = HeldOut(self.task.prompt_ids(problems, tokenizer, config.model.chat_template), problems,
                                 seeds[lo:hi])
         self.indices = indices
-        self.beta = config.objective.beta if config.objective.placement != "none" else None
+        o = config.objective  # the reference's coefficient: a KL to mu alone (kl_to behaviour) regularizes toward none
+        self.beta = o.beta if o.placement != "none" and o.kl_to != "behaviour" else None
 
     def _params(self, n: int) -> SamplingParams:
         r = self.config.rollout

@@ -26,7 +26,7 @@ __all__ = ["Advantages", "LossRows", "ObjectiveConfig", "PolicyPass", "advantage
 
 # How combine_stats pools each statistic over a batch's parts (micro-batches, processes):
 # a part's share of the whole batch's (with `totals`) adds up;
-SUMMED_STATS = ("loss", "loss_pg", "loss_kl", "loss_entropy", "kl_clamped_tokens")
+SUMMED_STATS = ("loss", "loss_pg", "loss_kl", "loss_kl_behaviour", "loss_entropy", "kl_clamped_tokens")
 # a mean over response tokens is weighted by the part's tokens (`_tokens`); every other mean, over
 # rows, by its rows (`_rows`); adv_std is pooled from the parts' means and mean squares. Keys that
 # start with "_" are these weights: combine_stats consumes them.
@@ -213,8 +213,9 @@ class LossRows:
 def policy_loss(current: PolicyPass, rows: LossRows, config: ObjectiveConfig,
                 totals: tuple[float, float] | None = None, stats: bool = True) -> tuple[Tensor, dict[str, float]]:
     """The loss of some rows given their advantages (from `batch_advantages`): the policy-gradient term,
-    beta x the KL term where the KL goes in the loss, and minus entropy_coef x the entropy; with the loss
-    statistics (none if not `stats`). `totals` and `stats` are `compute_loss`'s."""
+    beta x the KL term where the KL goes in the loss (to the reference, to mu, or both: objective.kl_to), and
+    minus entropy_coef x the entropy; with the loss statistics (none if not `stats`). `totals` and `stats` are
+    `compute_loss`'s."""
     logp, token_kl, entropy = current.logp, current.token_kl, current.entropy
     ref_logp, mask, adv, old_logp = rows.ref_logp, rows.mask, rows.adv, rows.old_logp
     engine_logp, prompt_lengths = rows.engine_logp, rows.prompt_lengths
@@ -251,12 +252,18 @@ def policy_loss(current: PolicyPass, rows: LossRows, config: ObjectiveConfig,
 
     loss = loss_pg
     loss_kl = torch.zeros((), dtype=dtype, device=logp.device)
-    if config.kl_in_loss:
-        kl_term = kl_loss_term(config, logp, ref_logp, token_kl, kl_loss_weight(config, logp_c, ratio, sequence,
-                                                                                  engine_logp))
-        loss_kl = config.beta * aggregate(kl_term, maskf, config.kl_loss_agg or config.loss_agg, config.norm_length,
-                                          totals, prompt_lengths)
+    loss_kl_behaviour = torch.zeros((), dtype=dtype, device=logp.device)
+    weight = kl_loss_weight(config, logp_c, ratio, sequence, engine_logp) if config.any_kl_in_loss else None
+    kl_agg = config.kl_loss_agg or config.loss_agg
+    if config.reference_kl_in_loss:
+        kl_term = kl_loss_term(config, logp, ref_logp, token_kl, weight)
+        loss_kl = config.beta * aggregate(kl_term, maskf, kl_agg, config.norm_length, totals, prompt_lengths)
         loss = loss + loss_kl
+    if config.behaviour_kl_beta is not None:  # toward mu (pi itself, detached, exactly on-policy): kl_to
+        kl_term = kl_loss_term(config, logp, old, None, weight)
+        loss_kl_behaviour = config.behaviour_kl_beta * aggregate(kl_term, maskf, kl_agg, config.norm_length, totals,
+                                                                 prompt_lengths)
+        loss = loss + loss_kl_behaviour
     loss_entropy = torch.zeros((), dtype=dtype, device=logp.device)
     if config.entropy_coef:
         loss_entropy = -config.entropy_coef * aggregate(entropy.to(dtype), maskf, config.loss_agg, config.norm_length,
@@ -267,6 +274,8 @@ def policy_loss(current: PolicyPass, rows: LossRows, config: ObjectiveConfig,
         return loss, {}
     found = _stats(logp_c, ref_logp, ratio, clipped, maskf, loss_pg, loss_kl, config, token_kl)
     found["loss_entropy"] = float(loss_entropy.detach())
+    if config.behaviour_kl_beta is not None:
+        found["loss_kl_behaviour"] = float(loss_kl_behaviour.detach())
     if dual_clipped is not None:
         found["dual_clip_frac"] = float((dual_clipped & maskf.bool()).sum() / maskf.sum().clamp(min=1))
     if tis is not None:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from trainer.choices import REWARD_KL_POLICIES, TIS_LEVELS, TIS_MODES
+from trainer.choices import KL_TARGETS, REWARD_KL_POLICIES, TIS_LEVELS, TIS_MODES
 from trainer.config_error import ConfigError
 from trainer.objective import (
     advantages,
@@ -52,6 +52,16 @@ class ObjectiveConfig:
                     reward-token: where beta x the estimate goes (trainer.objective.placements; the last three
                     put it into per-token rewards, returned or not, as the PPO-style libraries do)
     beta            KL coefficient, >= 0 (ignored for placement none)
+    kl_to           the policy the KL pulls toward (trainer.objective.kl_to):
+                    reference  pi_ref (the default: the KL of the papers)
+                    behaviour  mu, the policy that sampled the batch (prime-rl's default, Kimi K2.5): a
+                               trust region, in the loss only (placement loss), whose gradient vanishes
+                               in expectation at pi = mu; exactly on-policy it adds noise or nothing
+                    both       the reference's KL as configured, plus a KL to mu in the loss with its
+                               own coefficient, behaviour_beta
+                    The KL to mu uses the estimator, kl_loss_ratio and the KL clamps as configured
+                    (not full: no engine returns mu's whole next-token distribution)
+    behaviour_beta  the coefficient of the KL to mu under kl_to both, >= 0 (kl_to behaviour uses beta)
     reward_kl       whose log-probs the KL in the reward is computed from:
                     sampler  the policy that sampled the batch, once per batch, as verl does: a
                              reward does not change while the policy learns from it
@@ -136,6 +146,8 @@ class ObjectiveConfig:
     estimator: str = "k1"
     placement: str = "reward"
     beta: float = 0.05
+    kl_to: str = "reference"
+    behaviour_beta: float | None = None
     advantage: str = "rloo"
     grpo_scale: bool = True
     loss_agg: str = "seq-mean-token-sum"
@@ -200,6 +212,7 @@ class ObjectiveConfig:
                                      "weights whole sequences; clip them with clip_eps or truncate them with "
                                      "sequence_ratio_cap")
         self._check_ratio_bounds()
+        self._check_kl_to()
         cap = self.sequence_ratio_cap
         if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap >= 1):
             raise ConfigError("objective.sequence_ratio_cap", f"must be None or a number >= 1, got {cap!r}")
@@ -212,6 +225,33 @@ class ObjectiveConfig:
         if self.ratio_cap is None and (self.ratio_floor is not None or self.ratio_mode != "truncate"):
             key = "ratio_floor" if self.ratio_floor is not None else "ratio_mode"
             raise ConfigError(f"objective.{key}", "shapes the bounds of the token ratio; set ratio_cap too")
+
+    def _check_kl_to(self) -> None:
+        """The combinations of kl_to that mean something (trainer.objective.kl_to says why the others do not)."""
+        _choice("kl_to", self.kl_to, KL_TARGETS)
+        if self.kl_to == "both":
+            if not (_number(self.behaviour_beta) and self.behaviour_beta >= 0):
+                raise ConfigError("objective.behaviour_beta", "kl_to both needs the coefficient of the KL to the "
+                                  f"behaviour policy: a finite number >= 0, got {self.behaviour_beta!r}")
+        elif self.behaviour_beta is not None:
+            raise ConfigError("objective.behaviour_beta", "is the coefficient of the KL to the behaviour policy "
+                              "under kl_to both (kl_to behaviour uses beta); set kl_to both, or leave it out")
+        if self.kl_to == "reference" or self.placement == "none":
+            return
+        if self.kl_to == "behaviour" and self.placement != "loss":
+            raise ConfigError("objective.placement", f"{self.placement}: a KL to the behaviour policy (kl_to "
+                              "behaviour) goes in the loss: in the reward it is a constant of the batch (under the "
+                              "sampler's log-probs, log mu/mu = 0 on every token). Use placement loss, or kl_to "
+                              f"both to keep the reference's KL in the {self.placement}")
+        if estimators.REGISTRY[self.estimator].inputs == estimators.FULL:
+            raise ConfigError("objective.estimator", f"{self.estimator} needs the whole next-token distribution of "
+                              f"the policy the KL pulls toward, and kl_to {self.kl_to} pulls toward mu, whose "
+                              "distribution no engine returns; use a sampled estimator (k1, k2, k3)")
+        if self.kl_to == "behaviour":
+            for key in ("kl_target", "ref_refresh_every"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"objective.{key}", "acts on the KL to the reference, and kl_to behaviour "
+                                      "has none; use kl_to both")
 
     def _check_peers_keys(self) -> None:
         """The settings that reproduce the RL libraries (docs/peers.md)."""
@@ -267,6 +307,24 @@ class ObjectiveConfig:
         return placements.REGISTRY[self.placement].in_loss
 
     @property
+    def reference_kl_in_loss(self) -> bool:
+        """Whether the loss holds a KL to the reference (its placement's, unless kl_to is behaviour alone)."""
+        return self.kl_in_loss and self.kl_to != "behaviour"
+
+    @property
+    def behaviour_kl_beta(self) -> float | None:
+        """The coefficient of the loss's KL to the behaviour policy mu (kl_to behaviour or both), None without one."""
+        if self.placement == "none" or self.kl_to == "reference":
+            return None
+        return self.beta if self.kl_to == "behaviour" else self.behaviour_beta
+
+    @property
+    def any_kl_in_loss(self) -> bool:
+        """Whether the loss holds a KL term at all (to the reference, to mu, or both): what reads kl_loss_ratio and
+        kl_loss_agg."""
+        return self.kl_in_loss or self.behaviour_kl_beta is not None
+
+    @property
     def kl_in_token_rewards(self) -> bool:
         """Whether the KL in the reward is per token ([B, T]: reward-to-go, reward-token)."""
         return placements.REGISTRY[self.placement].per_token_reward
@@ -274,7 +332,7 @@ class ObjectiveConfig:
     @property
     def needs_engine_logp(self) -> bool:
         """Whether the loss reads the rollout engine's own log-probs (tis_cap, or the engine ratio)."""
-        return self.tis_cap is not None or (self.kl_in_loss
+        return self.tis_cap is not None or (self.any_kl_in_loss
                                             and kl_loss_ratios.REGISTRY[self.kl_loss_ratio].needs_engine_logp)
 
     @property
@@ -282,13 +340,13 @@ class ObjectiveConfig:
         """Whether the loss reads each row's prompt length: an aggregation (loss_agg, or kl_loss_agg where the KL is
         in the loss) that divides by the whole sequence's length."""
         return any(agg is not None and loss_aggs.REGISTRY[agg].needs_prompt_lengths
-                   for agg in (self.loss_agg, self.kl_loss_agg if self.kl_in_loss else None))
+                   for agg in (self.loss_agg, self.kl_loss_agg if self.any_kl_in_loss else None))
 
     @property
     def reads_sequence_ratios(self) -> bool:
         """Whether the loss weights by sequence or prefix ratios (the policy gradient's, or the KL loss's)."""
         return pg_ratios.REGISTRY[self.pg_ratio].sequence or (
-            self.kl_in_loss and kl_loss_ratios.REGISTRY[self.kl_loss_ratio].sequence)
+            self.any_kl_in_loss and kl_loss_ratios.REGISTRY[self.kl_loss_ratio].sequence)
 
     @property
     def adaptive(self) -> bool:
@@ -301,7 +359,8 @@ class ObjectiveConfig:
         return self.placement != "none" and estimators.REGISTRY[self.estimator].inputs == estimators.FULL
 
     def inert_fields(self) -> frozenset[str]:
-        """The fields this objective never reads: without a KL term its estimator, beta and ratio;
+        """The fields this objective never reads: without a KL term its estimator, beta, ratio and kl_to;
+        behaviour_beta outside kl_to both;
         with the KL only in the reward, the KL loss term's ratio; without it in the reward, reward_kl;
         the engine weights' shape without tis_cap; grpo_scale outside grpo;
         norm_length outside its aggregation; sequence_ratio_cap without a sequence ratio. A study crosses an axis
@@ -309,20 +368,22 @@ class ObjectiveConfig:
         inert = set()
         if self.placement == "none":
             inert |= {"estimator", "beta", "kl_log_ratio_clamp", "kl_value_clamp", "kl_target", "kl_horizon",
-                      "ref_refresh_every", "ref_refresh_alpha"}
+                      "ref_refresh_every", "ref_refresh_alpha", "kl_to"}
+        if self.kl_to != "both" or self.placement == "none":
+            inert.add("behaviour_beta")
         if self.tis_cap is None:
             inert |= {"tis_floor", "tis_mode", "tis_level"}
         if self.ref_refresh_every is None:
             inert.add("ref_refresh_alpha")
-        if not self.kl_in_loss:
+        if not self.any_kl_in_loss:
             inert.add("kl_loss_ratio")
         if not self.kl_in_reward:
             inert.add("reward_kl")
         if not advantages.REGISTRY[self.advantage].scaled:
             inert.add("grpo_scale")
-        if not self.kl_in_loss:
+        if not self.any_kl_in_loss:
             inert.add("kl_loss_agg")
-        if not self._norm_length_readers(self.kl_loss_agg if self.kl_in_loss else None):
+        if not self._norm_length_readers(self.kl_loss_agg if self.any_kl_in_loss else None):
             inert.add("norm_length")
         if self.ratio_cap is None:
             inert |= {"ratio_floor", "ratio_mode"}

@@ -1,0 +1,102 @@
+"""objective.kl_to: the KL toward the behaviour policy mu (and toward both), checked by exact enumeration and in
+a run. What each estimator and weight differentiates toward mu is the peers audit's "KL to mu" section
+(tests/test_peers_kl.py holds every row to its theory); here: the refused combinations, `both` as the sum of its
+two terms, the gradient vanishing at pi = mu, and a trainer run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from run_helpers import train_cli
+from safetensors.torch import load_file
+
+from trainer.audits.enumeration import AuditInstance, expected_gradient, rel_error, target_gradients
+from trainer.config_error import ConfigError
+from trainer.objective.loss import ObjectiveConfig
+from trainer.run_files import read_metrics
+
+BASE = ObjectiveConfig(placement="none", advantage="rloo", reward_kl="current", beta=0.1)
+
+
+@pytest.mark.parametrize("values, key, says", [
+    ({"kl_to": "behaviour", "placement": "reward"}, "objective.placement", "goes in the loss"),
+    ({"kl_to": "behaviour", "placement": "reward+loss"}, "objective.placement", "kl_to both"),
+    ({"kl_to": "behaviour", "placement": "loss", "estimator": "full"}, "objective.estimator", "no engine returns"),
+    ({"kl_to": "both", "placement": "loss", "estimator": "full", "behaviour_beta": 0.1}, "objective.estimator",
+     "sampled estimator"),
+    ({"kl_to": "both", "placement": "reward"}, "objective.behaviour_beta", "needs the coefficient"),
+    ({"kl_to": "both", "placement": "reward", "behaviour_beta": -1.0}, "objective.behaviour_beta", ">= 0"),
+    ({"kl_to": "behaviour", "placement": "loss", "behaviour_beta": 0.1}, "objective.behaviour_beta", "uses beta"),
+    ({"kl_to": "behaviour", "placement": "loss", "kl_target": 0.1, "kl_horizon": 10}, "objective.kl_target",
+     "use kl_to both"),
+    ({"kl_to": "behaviour", "placement": "loss", "ref_refresh_every": 5}, "objective.ref_refresh_every",
+     "has none"),
+    ({"kl_to": "mu"}, "objective.kl_to", "not one of reference, behaviour, both"),
+])
+def test_the_combinations_that_mean_nothing_are_refused_by_their_key(values, key, says):
+    with pytest.raises(ConfigError) as error:
+        ObjectiveConfig(**values)
+    assert error.value.key == key and says in error.value.message, str(error.value)
+
+
+def test_without_a_kl_term_kl_to_is_inert_and_behaviour_beta_only_under_both():
+    assert {"kl_to", "behaviour_beta"} <= ObjectiveConfig(placement="none", kl_to="behaviour").inert_fields()
+    assert "behaviour_beta" in ObjectiveConfig(placement="loss", kl_to="behaviour").inert_fields()
+    both = ObjectiveConfig(placement="reward", kl_to="both", behaviour_beta=0.2)
+    assert "behaviour_beta" not in both.inert_fields() and "kl_loss_ratio" not in both.inert_fields()
+    assert both.behaviour_kl_beta == 0.2 and not both.reference_kl_in_loss and both.any_kl_in_loss
+
+
+@pytest.mark.parametrize("placement", ["reward", "loss", "reward+loss"])
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_both_is_the_reference_kl_plus_the_kl_to_mu_exactly(placement, off_policy):
+    """Exact expected gradients: `both` = (the reference's KL as configured) + (a KL to mu with behaviour_beta),
+    each measured against the run without it."""
+    inst = AuditInstance.random(vocab=3, length=2, seed=4)
+    gradient = lambda config: expected_gradient(inst, config, 2, off_policy)  # noqa: E731
+    reference = replace(BASE, estimator="k3", placement=placement)
+    to_mu = replace(BASE, estimator="k3", placement="loss", kl_to="behaviour", beta=0.3)
+    both = replace(reference, kl_to="both", behaviour_beta=0.3)
+    none = gradient(BASE)
+    expected = (gradient(reference) - none) + (gradient(to_mu) - none)
+    assert rel_error(gradient(both) - none, expected) < 1e-10
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("ratio", ["none", "detached", "differentiable", "sequence"])
+def test_at_pi_equal_mu_the_kl_to_mu_has_no_expected_gradient(estimator, ratio):
+    """Exactly on-policy (mu = pi, old_logp None) and off-policy with mu set to pi itself: the trust region's
+    gradient vanishes in expectation, whatever the estimator and weight (k2 and k3 on every sample)."""
+    inst = AuditInstance.random(vocab=3, length=2, seed=1)
+    at_pi = AuditInstance(inst.space, inst.ref_logits, inst.logits, inst.logits.clone(), inst.rewards)
+    config = replace(BASE, estimator=estimator, placement="loss", kl_to="behaviour", kl_loss_ratio=ratio)
+    scale = float(target_gradients(inst)["unbiased"].norm())
+    for case, off_policy in ((inst, False), (at_pi, True)):
+        part = expected_gradient(case, config, 2, off_policy) - expected_gradient(case, BASE, 2, off_policy)
+        assert float(part.norm()) < 1e-10 * scale
+
+
+def test_a_run_with_the_kl_to_mu_logs_it_and_on_policy_k2_changes_no_weight(warm_model, tmp_path):
+    """Two steps behind (async_level 2) the KL to mu is a loss of its own, logged each step (0 at step 0, which the
+    policy it trains sampled); exactly on-policy a k2
+    KL to mu is 0 with a gradient of exactly 0 on every token, so the run trains as the run without a KL does."""
+    common = {"train.steps": 4, "checkpoint.every": 2}
+    behind = train_cli(tmp_path / "behind", warm_model, **common, **{
+        "train.async_level": 2, "objective.kl_to": "both", "objective.behaviour_beta": 0.5,
+        "objective.placement": "reward", "objective.estimator": "k2", "objective.kl_loss_ratio": "detached"})
+    assert behind.returncode == 0, behind.stderr[-3000:]
+    lines = read_metrics(tmp_path / "behind" / "metrics.jsonl")
+    assert [line["step"] for line in lines] == [0, 1, 2, 3]
+    # step 0 is sampled by the policy it trains: mu is pi, but for the engine's rounding (mu is the engine's log-probs)
+    assert lines[0]["loss_kl_behaviour"] < 1e-10 and all(line["loss_kl_behaviour"] > 1e-6 for line in lines[2:])
+    runs = {}
+    for name, objective in (("none", {"objective.placement": "none"}),
+                            ("k2 to mu", {"objective.placement": "loss", "objective.kl_to": "behaviour",
+                                          "objective.estimator": "k2"})):
+        done = train_cli(tmp_path / name, warm_model, **common, **objective)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = load_file(tmp_path / name / "final" / "model.safetensors")
+    assert runs["none"].keys() == runs["k2 to mu"].keys()
+    assert all(torch.equal(runs["none"][k], runs["k2 to mu"][k]) for k in runs["none"])
