@@ -15,6 +15,7 @@ Sources, at the commits trainer/objective/presets.py cites:
 - slime: slime/utils/ppo_utils.py (compute_approx_kl, low_var_kl)
 - SkyRL: skyrl/backends/skyrl_train/workers/worker.py:1077 (the KL loss per sequence)
 - open-instruct: open_instruct/grpo_utils.py (compute_rho_correction)
+- prime-rl: src/prime_rl/trainer/rl/loss.py (default_loss_fn), src/prime_rl/trainer/rl/train.py (loss_scale)
 - the Comedy paper's fork, bbartoldson/tba-prime@59c2f8ae: src/zeroband/training/loss.py (tba_loss, get_token_kl,
   grpo_loss_ratio, icepop_loss, _apply_mask), src/zeroband/train.py (logZ and mean_KL per group of 16, max_tokens
   and the division by num_grad_acc_steps), src/zeroband/training/data.py (seq_lens: len(input_ids), the prompt's
@@ -259,6 +260,19 @@ def paper_icepop(b: Batch, beta: float) -> Tensor:
     return _fork_steps(torch.where(keep, -ratio * adv, 0.0), b)
 
 
+def prime_rl(b: Batch, beta: float) -> Tensor:
+    """default_loss_fn: -keep A r + kl_tau (log pi - log mu)^2 per loss token, r = pi / mu (mu the engine's log-probs,
+    the trainer's mu here), keep dropping tokens whose probability moved beyond 0.2 in the advantage's direction;
+    summed and divided by the loss tokens (train.py's loss_scale). The preset's beta is 2 kl_tau."""
+    adv = rloo(b.rewards, b.group).unsqueeze(-1)
+    log_ratio = b.logp - b.old
+    moved = torch.exp(b.logp) - torch.exp(b.old)
+    invalid = torch.where(adv > 0, moved > 0.2, moved < -0.2)
+    keep = (~invalid).to(b.logp.dtype)
+    per_token = -keep * adv * torch.exp(log_ratio) + (beta / 2) * log_ratio ** 2
+    return token_mean(per_token, b.mask)
+
+
 LIBRARIES = {
     "verl": verl, "verl-k3+": lambda b, beta: verl(b, beta, plus=True), "verl-reward": verl_reward,
     "openrlhf": openrlhf, "trl-grpo": trl_grpo,
@@ -273,4 +287,5 @@ LIBRARIES = {
     "paper-grpo": lambda b, beta: paper(b, beta, None, None),
     "paper-icepop": paper_icepop,
     "paper-k1-reward-reset50": lambda b, beta: paper(b, beta, "k1", "reward"),
+    "prime-rl": prime_rl,
 }

@@ -100,3 +100,26 @@ def test_a_run_with_the_kl_to_mu_logs_it_and_on_policy_k2_changes_no_weight(warm
         runs[name] = load_file(tmp_path / name / "final" / "model.safetensors")
     assert runs["none"].keys() == runs["k2 to mu"].keys()
     assert all(torch.equal(runs["none"][k], runs["k2 to mu"][k]) for k in runs["none"])
+
+
+def test_dppos_trust_region_drops_the_tokens_that_moved_beyond_it_in_the_advantages_direction():
+    """pg_ratio dppo-tv (prime-rl's default): p - p_mu above clip_eps_high where A > 0, below -clip_eps where A <= 0,
+    drops a token's term; inside, -rho A with rho differentiable; exactly on-policy nothing is dropped."""
+    from trainer.objective import pg_ratios
+
+    config = ObjectiveConfig(pg_ratio="dppo-tv", clip_eps=0.2, clip_eps_high=0.1, placement="none")
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]], dtype=torch.float64))
+    p = torch.tensor([[0.65, 0.55, 0.25, 0.35]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
+    logp = p.log().requires_grad_()
+    term = pg_ratios.REGISTRY["dppo-tv"].term(logp, old, adv, torch.ones(1, 4, dtype=torch.float64), config, None)
+    assert term.clipped.tolist() == [[True, False, True, False]]  # +0.15 > 0.1 with A > 0; -0.25 < -0.2 with A < 0
+    (grad,) = torch.autograd.grad(term.per_token.sum(), logp)
+    assert torch.allclose(grad, torch.tensor([[0.0, -1.1, 0.0, 0.7]], dtype=torch.float64))  # -A rho
+    on_policy = pg_ratios.REGISTRY["dppo-tv"].term(logp, logp.detach(), adv, torch.ones(1, 4), config, None)
+    assert not on_policy.clipped.any()
+    for values, key in (({}, "objective.clip_eps"), ({"clip_eps": 0.2, "clip_ratio_c": 3.0}, "objective.clip_ratio_c"),
+                        ({"clip_eps": 0.2, "ratio_cap": 8.0}, "objective.ratio_cap")):
+        with pytest.raises(ConfigError) as error:
+            ObjectiveConfig(pg_ratio="dppo-tv", **values)
+        assert error.value.key == key

@@ -29,7 +29,7 @@ def test_every_preset_is_a_valid_objective_that_cites_where_it_was_read():
         assert len(preset.source.commit) == 40 and preset.source.files and preset.settings
     assert {p.library for p in presets.REGISTRY} == {"verl", "OpenRLHF", "TRL GRPOTrainer", "TRL RLOOTrainer",
                                                      "NeMo-RL", "slime", "SkyRL", "open-instruct",
-                                                     "A Comedy of Estimators"}
+                                                     "A Comedy of Estimators", "prime-rl"}
 
 
 def test_a_run_config_takes_a_presets_values_under_the_keys_it_gives():

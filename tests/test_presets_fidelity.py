@@ -9,7 +9,7 @@ import torch
 from peer_semantics import LIBRARIES, RUN, fixed_batch
 from rounding import assert_equal_to_rounding
 
-from trainer.objective import presets
+from trainer.objective import pg_ratios, presets
 from trainer.objective.loss import compute_loss
 from trainer.objective.objective_config import ObjectiveConfig
 
@@ -63,8 +63,8 @@ def test_each_preset_computes_its_librarys_loss_and_gradient_where_the_clamps_bi
         assert stats["tis_truncated_frac"] > 0
     if config.ratio_cap is not None:
         assert stats["ratio_bounded_frac"] > 0
-    if config.pg_ratio == "sequence":
-        assert stats["clip_frac"] > 0
+    if config.pg_ratio == "sequence" or pg_ratios.REGISTRY[config.pg_ratio].trust_region:
+        assert stats["clip_frac"] > 0  # PPO's clip, or the trust region's mask
 
 
 def test_open_instructs_engine_weight_has_its_floor_of_e_to_the_minus_10():

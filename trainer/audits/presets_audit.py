@@ -128,11 +128,12 @@ def _row(preset: presets.Preset, record: dict[str, list]) -> PresetRow:
         ratio += f", clipped {config.clip_eps:g}"
     if config.ratio_cap is not None:
         ratio += f" {config.ratio_mode} [{config.ratio_floor or 0:g}, {config.ratio_cap:g}]"
-    kl_ratio = config.kl_loss_ratio if config.kl_in_loss else "-"
+    kl_ratio = config.kl_loss_ratio if config.any_kl_in_loss else "-"
+    placement = config.placement + {"reference": "", "behaviour": " (to mu)", "both": " (+ loss to mu)"}[config.kl_to]
     if config.kl_in_loss and config.kl_loss_agg is not None:
         kl_ratio += f" ({config.kl_loss_agg})"
     return PresetRow(preset.name, preset.library, config.beta, audited(preset, 0.1).advantage,
-                     config.estimator if config.placement != "none" else "-", config.placement, kl_ratio,
+                     config.estimator if config.placement != "none" else "-", placement, kl_ratio,
                      clamps or "-", tis, ratio, _agreed(record["on"]), max(record["err_on"]), _agreed(record["off"]),
                      max(record["err_off"]), _agreed(record["obj_on"]), statistics.median(record["ratio_on"]),
                      max(record["bias_on"]), _agreed(record["obj_off"]), statistics.median(record["ratio_off"]),

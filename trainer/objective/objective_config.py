@@ -205,6 +205,14 @@ class ObjectiveConfig:
             raise ConfigError("objective.clip_eps", f"must be < 1, got {self.clip_eps}")
         if self.clip_eps_high is not None and self.clip_eps is None:
             raise ConfigError("objective.clip_eps_high", "set clip_eps too (clip_eps_high only widens it)")
+        if pg_ratios.REGISTRY[self.pg_ratio].trust_region:
+            if self.clip_eps is None:
+                raise ConfigError("objective.clip_eps", f"pg_ratio {self.pg_ratio} drops the tokens that leave its "
+                                  "trust region, whose width clip_eps gives (prime-rl and verl: 0.2)")
+            for key in ("clip_ratio_c", "ratio_cap"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"objective.{key}", f"bounds PPO's token ratio, and pg_ratio {self.pg_ratio} "
+                                      "bounds the policy by its own trust region (clip_eps)")
         if pg_ratios.REGISTRY[self.pg_ratio].sequence:
             for key in ("clip_ratio_c", "ratio_cap"):
                 if getattr(self, key) is not None:

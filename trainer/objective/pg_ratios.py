@@ -32,6 +32,7 @@ class PgRatio:
     name: str
     term: Callable[..., PolicyGradient]  # (logp, old, adv_t, maskf, config, sequence) -> PolicyGradient
     sequence: bool = False  # weighs whole responses: reads the sequence ratios; the token bounds do not apply
+    trust_region: bool = False  # clip_eps (and clip_eps_high) is the width of its own region; no other bound
 
     @property
     def theory(self) -> str:
@@ -105,3 +106,19 @@ def sequence_ratio(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, conf
     score = (logp - logp.detach()).exp() - 1.0  # 0 in value, grad log pi_t in the gradient
     per_token = -surrogate.detach() / lengths - (w_t * adv_t).where(~clipped, 0.0) * score
     return PolicyGradient(per_token, clipped, None, None)
+
+
+@register("dppo-tv", trust_region=True)
+def dppo_tv(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, config: Any, sequence: Tensor | None
+            ) -> PolicyGradient:
+    """DPPO's trust region on the sampled token's probability (prime-rl's default loss; verl's dppo_tv): -rho_t A
+    per token, rho_t = pi_theta / mu differentiable, and a token dropped (no value, no gradient) where the policy has
+    moved its probability out of the region in the advantage's direction: p - p_mu > clip_eps_high where A > 0,
+    p - p_mu < -clip_eps where A <= 0 (p = e^logp). Exactly on-policy nothing is dropped (-A grad log pi); off-policy
+    biased, as PPO's token ratio."""
+    ratio = (logp - old).exp()
+    moved = logp.detach().exp() - old.exp()
+    high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+    rising = adv_t > 0
+    outside = (rising & (moved > high)) | (~rising & (moved < -config.clip_eps))
+    return PolicyGradient((-ratio * adv_t).masked_fill(outside, 0.0), outside, None, None)

@@ -84,6 +84,9 @@ NEMO_RL_REWARD = Source("NVIDIA-NeMo/RL", "7ea279abfbeb698b092856d0dab61e7cf39bc
                          "nemo_rl/algorithms/grpo.py", "examples/configs/grpo_math_1B.yaml"))
 OPEN_INSTRUCT = Source("allenai/open-instruct", "e6c3044aa6201c8bfa4573c1b03142af599e730d",
                        ("open_instruct/grpo_utils.py", "open_instruct/model_utils.py", "open_instruct/grpo_fast.py"))
+PRIME_RL = Source("PrimeIntellect-ai/prime-rl", "559b44772e471d1538537b8805cc77f3824a5e64",
+                  ("src/prime_rl/trainer/rl/loss.py", "packages/prime-rl-configs/src/prime_rl/configs/trainer.py",
+                   "src/prime_rl/trainer/rl/train.py"))
 
 PAPER_COMMIT = "59c2f8ae923123afaa42c801c33ffb5e2c4e51cc"
 PAPER_CODE = ("src/zeroband/training/loss.py", "src/zeroband/train.py", "src/zeroband/training/config.py",
@@ -208,6 +211,15 @@ REGISTRY.register(Preset(
     "compute_rho_correction clamps log rho to [-10, 10] before exponentiating (grpo_utils.py:418-420), so the "
     "weight never falls below e^-10 (tis_floor). kl_estimator=3 is ratio x k1 (the differentiable ratio on k1). "
     "ref_policy_update_freq with alpha 0.6 (Polyak) is objective.ref_refresh_every and ref_refresh_alpha."))
+REGISTRY.register(Preset(
+    "prime-rl", "prime-rl",
+    "loss type=default: dppo_mask_low=dppo_mask_high=0.2, kl_tau=1e-3 (default_loss_fn)",
+    {"estimator": "k2", "placement": "loss", "kl_to": "behaviour", "kl_loss_ratio": "none", "beta": 2e-3,
+     "pg_ratio": "dppo-tv", "clip_eps": 0.2}, PRIME_RL,
+    "kl_tau * (log pi - log mu)^2 on every loss token, unweighted, toward mu = the engine's sampling log-probs "
+    "(inference_logprobs): k2 toward mu at beta = 2 kl_tau. No KL to a reference. DPPO drops a token's policy "
+    "gradient, -A pi/mu, where p - p_mu > 0.2 (A > 0) or < -0.2 (A <= 0). The step's loss is divided by its loss "
+    "tokens over all ranks (loss_agg token-mean)."))
 
 # "A Comedy of Estimators", off-policy (async level 10, beta 0.005): its prime-rl fork's objectives. The fork's
 # "trajectory balance" loss (tba_loss) is a policy gradient with the advantage R - log Z, log Z the mean reward of
