@@ -34,11 +34,29 @@ BASE = ObjectiveConfig(placement="none", advantage="rloo", reward_kl="current", 
     ({"kl_to": "behaviour", "placement": "loss", "ref_refresh_every": 5}, "objective.ref_refresh_every",
      "has none"),
     ({"kl_to": "mu"}, "objective.kl_to", "not one of reference, behaviour, both"),
+    ({"kl_to": "behaviour", "placement": "loss", "behaviour_estimator": "k2"}, "objective.behaviour_estimator",
+     "uses estimator"),
+    ({"kl_to": "both", "placement": "loss", "behaviour_beta": 0.1, "behaviour_estimator": "full"},
+     "objective.behaviour_estimator", "no engine returns"),
+    ({"kl_to": "both", "placement": "loss", "estimator": "full", "behaviour_beta": 0.1, "behaviour_estimator": "k2",
+      "kl_loss_ratio": "sequence"}, "objective.behaviour_estimator", "prefix ratios"),
 ])
 def test_the_combinations_that_mean_nothing_are_refused_by_their_key(values, key, says):
     with pytest.raises(ConfigError) as error:
         ObjectiveConfig(**values)
     assert error.value.key == key and says in error.value.message, str(error.value)
+
+
+def test_both_may_estimate_the_kl_to_mu_otherwise_than_the_reference_kl():
+    """kl_to both with behaviour_estimator: the reference's KL as its estimator says (full, here, with its token KL),
+    mu's with its own; the sum is the two parts, exactly."""
+    inst = AuditInstance.random(vocab=3, length=2, seed=2)
+    gradient = lambda config: expected_gradient(inst, config, 2, True)  # noqa: E731
+    reference = replace(BASE, estimator="full", placement="reward+loss")
+    to_mu = replace(BASE, estimator="k2", placement="loss", kl_to="behaviour", beta=0.3)
+    both = replace(reference, kl_to="both", behaviour_beta=0.3, behaviour_estimator="k2")
+    none = gradient(BASE)
+    assert rel_error(gradient(both) - none, (gradient(reference) - none) + (gradient(to_mu) - none)) < 1e-10
 
 
 def test_without_a_kl_term_kl_to_is_inert_and_behaviour_beta_only_under_both():

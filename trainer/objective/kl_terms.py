@@ -13,10 +13,13 @@ from trainer.objective.objective_config import ObjectiveConfig
 
 
 def token_estimate(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None,
-                   value_clamp: bool = True) -> Tensor:
-    """The per-token KL term [B, T] of config.estimator: from the sampled tokens' log-probs (clamped as
-    configured; the value's clamp left to the caller without `value_clamp`), or the exact
+                   value_clamp: bool = True, estimator: str | None = None) -> Tensor:
+    """The per-token KL term [B, T] of `estimator` (config.estimator unless given): from the sampled tokens'
+    log-probs (clamped as configured; the value's clamp left to the caller without `value_clamp`), or the exact
     full-vocabulary KL (`token_kl`, computed by trainer.objective.full_kl) for an estimator that needs it."""
+    if estimator is not None and estimator != config.estimator:
+        return kl.estimate(estimator, logp, ref_logp, config.kl_log_ratio_clamp,
+                           config.kl_value_clamp if value_clamp else None)
     if config.needs_full_kl:
         if token_kl is None:
             raise ValueError(f"estimator {config.estimator}: compute_loss needs token_kl, the exact per-token KL "
@@ -55,13 +58,14 @@ def centred_kl(sequence_kl: Tensor, centre_kl: Tensor, group_size: int) -> Tenso
 
 
 def kl_loss_term(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_kl: Tensor | None,
-                 weight: Tensor | None) -> Tensor:
-    """Each token's KL-loss term: its estimate, times its weight, clamped as the libraries clamp it. With a
-    weight (NeMo-RL, slime), the value clamp bounds the weighted term, and where the log-ratio clamp binds the
-    weight has no gradient either: a clamped token contributes no gradient at all, as without a weight."""
-    spec = estimators.REGISTRY[config.estimator]
+                 weight: Tensor | None, estimator: str | None = None) -> Tensor:
+    """Each token's KL-loss term: its estimate (of `estimator`, config.estimator unless given), times its weight,
+    clamped as the libraries clamp it. With a weight (NeMo-RL, slime), the value clamp bounds the weighted term, and
+    where the log-ratio clamp binds the weight has no gradient either: a clamped token contributes no gradient at all,
+    as without a weight."""
+    spec = estimators.REGISTRY[estimator or config.estimator]
     after = weight is not None and config.kl_value_clamp is not None and spec.gradient_of is None
-    estimate = token_estimate(config, logp, ref_logp, token_kl, value_clamp=not after)
+    estimate = token_estimate(config, logp, ref_logp, token_kl, value_clamp=not after, estimator=estimator)
     if weight is None:
         return estimate
     if config.kl_log_ratio_clamp is not None:

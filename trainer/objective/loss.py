@@ -260,7 +260,7 @@ def policy_loss(current: PolicyPass, rows: LossRows, config: ObjectiveConfig,
         loss_kl = config.beta * aggregate(kl_term, maskf, kl_agg, config.norm_length, totals, prompt_lengths)
         loss = loss + loss_kl
     if config.behaviour_kl_beta is not None:  # toward mu (pi itself, detached, exactly on-policy): kl_to
-        kl_term = kl_loss_term(config, logp, old, None, weight)
+        kl_term = kl_loss_term(config, logp, old, None, weight, config.behaviour_kl_estimator)
         loss_kl_behaviour = config.behaviour_kl_beta * aggregate(kl_term, maskf, kl_agg, config.norm_length, totals,
                                                                  prompt_lengths)
         loss = loss + loss_kl_behaviour

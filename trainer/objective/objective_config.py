@@ -62,6 +62,8 @@ class ObjectiveConfig:
                     The KL to mu uses the estimator, kl_loss_ratio and the KL clamps as configured
                     (not full: no engine returns mu's whole next-token distribution)
     behaviour_beta  the coefficient of the KL to mu under kl_to both, >= 0 (kl_to behaviour uses beta)
+    behaviour_estimator  the estimator of the KL to mu under kl_to both, when not `estimator` (k2: prime-rl's
+                    trust region beside a reference KL estimated otherwise); a sampled one
     reward_kl       whose log-probs the KL in the reward is computed from:
                     sampler  the policy that sampled the batch, once per batch, as verl does: a
                              reward does not change while the policy learns from it
@@ -148,6 +150,7 @@ class ObjectiveConfig:
     beta: float = 0.05
     kl_to: str = "reference"
     behaviour_beta: float | None = None
+    behaviour_estimator: str | None = None
     advantage: str = "rloo"
     grpo_scale: bool = True
     loss_agg: str = "seq-mean-token-sum"
@@ -241,9 +244,17 @@ class ObjectiveConfig:
             if not (_number(self.behaviour_beta) and self.behaviour_beta >= 0):
                 raise ConfigError("objective.behaviour_beta", "kl_to both needs the coefficient of the KL to the "
                                   f"behaviour policy: a finite number >= 0, got {self.behaviour_beta!r}")
-        elif self.behaviour_beta is not None:
-            raise ConfigError("objective.behaviour_beta", "is the coefficient of the KL to the behaviour policy "
-                              "under kl_to both (kl_to behaviour uses beta); set kl_to both, or leave it out")
+        else:
+            for key, own in (("behaviour_beta", "beta"), ("behaviour_estimator", "estimator")):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"objective.{key}", f"is the {own} of the KL to the behaviour policy under "
+                                      f"kl_to both (kl_to behaviour uses {own}); set kl_to both, or leave it out")
+        if self.behaviour_estimator is not None:
+            _choice("behaviour_estimator", self.behaviour_estimator, estimators.REGISTRY.names)
+            mine, theirs = (estimators.REGISTRY[name] for name in (self.behaviour_estimator, self.estimator))
+            if kl_loss_ratios.REGISTRY[self.kl_loss_ratio].sequence and mine.token_dependent != theirs.token_dependent:
+                raise ConfigError("objective.behaviour_estimator", f"weighs its terms by prefix ratios other than "
+                                  f"{self.estimator}'s (kl_loss_ratio {self.kl_loss_ratio}); use an estimator like it")
         if self.kl_to == "reference" or self.placement == "none":
             return
         if self.kl_to == "behaviour" and self.placement != "loss":
@@ -251,10 +262,12 @@ class ObjectiveConfig:
                               "behaviour) goes in the loss: in the reward it is a constant of the batch (under the "
                               "sampler's log-probs, log mu/mu = 0 on every token). Use placement loss, or kl_to "
                               f"both to keep the reference's KL in the {self.placement}")
-        if estimators.REGISTRY[self.estimator].inputs == estimators.FULL:
-            raise ConfigError("objective.estimator", f"{self.estimator} needs the whole next-token distribution of "
-                              f"the policy the KL pulls toward, and kl_to {self.kl_to} pulls toward mu, whose "
-                              "distribution no engine returns; use a sampled estimator (k1, k2, k3)")
+        if estimators.REGISTRY[self.behaviour_kl_estimator].inputs == estimators.FULL:
+            key = "behaviour_estimator" if self.behaviour_estimator is not None else "estimator"
+            raise ConfigError(f"objective.{key}", f"{self.behaviour_kl_estimator} needs the whole next-token "
+                              f"distribution of the policy the KL pulls toward, and kl_to {self.kl_to} pulls toward "
+                              "mu, whose distribution no engine returns; use a sampled estimator (k1, k2, k3)"
+                              + ("" if self.kl_to == "behaviour" else ", or behaviour_estimator for mu's alone"))
         if self.kl_to == "behaviour":
             for key in ("kl_target", "ref_refresh_every"):
                 if getattr(self, key) is not None:
@@ -327,6 +340,11 @@ class ObjectiveConfig:
         return self.beta if self.kl_to == "behaviour" else self.behaviour_beta
 
     @property
+    def behaviour_kl_estimator(self) -> str:
+        """The estimator of the KL to mu: behaviour_estimator, else estimator."""
+        return self.behaviour_estimator or self.estimator
+
+    @property
     def any_kl_in_loss(self) -> bool:
         """Whether the loss holds a KL term at all (to the reference, to mu, or both): what reads kl_loss_ratio and
         kl_loss_agg."""
@@ -368,7 +386,7 @@ class ObjectiveConfig:
 
     def inert_fields(self) -> frozenset[str]:
         """The fields this objective never reads: without a KL term its estimator, beta, ratio and kl_to;
-        behaviour_beta outside kl_to both;
+        behaviour_beta and behaviour_estimator outside kl_to both;
         with the KL only in the reward, the KL loss term's ratio; without it in the reward, reward_kl;
         the engine weights' shape without tis_cap; grpo_scale outside grpo;
         norm_length outside its aggregation; sequence_ratio_cap without a sequence ratio. A study crosses an axis
@@ -378,7 +396,7 @@ class ObjectiveConfig:
             inert |= {"estimator", "beta", "kl_log_ratio_clamp", "kl_value_clamp", "kl_target", "kl_horizon",
                       "ref_refresh_every", "ref_refresh_alpha", "kl_to"}
         if self.kl_to != "both" or self.placement == "none":
-            inert.add("behaviour_beta")
+            inert |= {"behaviour_beta", "behaviour_estimator"}
         if self.tis_cap is None:
             inert |= {"tis_floor", "tis_mode", "tis_level"}
         if self.ref_refresh_every is None:
