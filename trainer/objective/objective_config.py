@@ -61,9 +61,10 @@ class ObjectiveConfig:
                                own coefficient, behaviour_beta
                     The KL to mu uses the estimator, kl_loss_ratio and the KL clamps as configured
                     (not full: no engine returns mu's whole next-token distribution)
-    behaviour_beta  the coefficient of the KL to mu under kl_to both, >= 0 (kl_to behaviour uses beta)
+    behaviour_beta  the coefficient of the KL to mu under kl_to both, >= 0 (kl_to behaviour uses beta;
+                    ignored outside both, as beta is without a KL term)
     behaviour_estimator  the estimator of the KL to mu under kl_to both, when not `estimator` (k2: prime-rl's
-                    trust region beside a reference KL estimated otherwise); a sampled one
+                    trust region beside a reference KL estimated otherwise); a sampled one; ignored outside both
     reward_kl       whose log-probs the KL in the reward is computed from:
                     sampler  the policy that sampled the batch, once per batch, as verl does: a
                              reward does not change while the policy learns from it
@@ -244,15 +245,13 @@ class ObjectiveConfig:
             if not (_number(self.behaviour_beta) and self.behaviour_beta >= 0):
                 raise ConfigError("objective.behaviour_beta", "kl_to both needs the coefficient of the KL to the "
                                   f"behaviour policy: a finite number >= 0, got {self.behaviour_beta!r}")
-        else:
-            for key, own in (("behaviour_beta", "beta"), ("behaviour_estimator", "estimator")):
-                if getattr(self, key) is not None:
-                    raise ConfigError(f"objective.{key}", f"is the {own} of the KL to the behaviour policy under "
-                                      f"kl_to both (kl_to behaviour uses {own}); set kl_to both, or leave it out")
+        elif self.behaviour_beta is not None:  # inert outside kl_to both (a study crosses kl_to with it), but a number
+            _optional("behaviour_beta", self.behaviour_beta, lambda v: v >= 0, "a number >= 0")
         if self.behaviour_estimator is not None:
             _choice("behaviour_estimator", self.behaviour_estimator, estimators.REGISTRY.names)
             mine, theirs = (estimators.REGISTRY[name] for name in (self.behaviour_estimator, self.estimator))
-            if kl_loss_ratios.REGISTRY[self.kl_loss_ratio].sequence and mine.token_dependent != theirs.token_dependent:
+            if (self.kl_to == "both" and kl_loss_ratios.REGISTRY[self.kl_loss_ratio].sequence
+                    and mine.token_dependent != theirs.token_dependent):
                 raise ConfigError("objective.behaviour_estimator", f"weighs its terms by prefix ratios other than "
                                   f"{self.estimator}'s (kl_loss_ratio {self.kl_loss_ratio}); use an estimator like it")
         if self.kl_to == "reference" or self.placement == "none":
@@ -263,7 +262,7 @@ class ObjectiveConfig:
                               "sampler's log-probs, log mu/mu = 0 on every token). Use placement loss, or kl_to "
                               f"both to keep the reference's KL in the {self.placement}")
         if estimators.REGISTRY[self.behaviour_kl_estimator].inputs == estimators.FULL:
-            key = "behaviour_estimator" if self.behaviour_estimator is not None else "estimator"
+            key = "behaviour_estimator" if self.behaviour_kl_estimator != self.estimator else "estimator"
             raise ConfigError(f"objective.{key}", f"{self.behaviour_kl_estimator} needs the whole next-token "
                               f"distribution of the policy the KL pulls toward, and kl_to {self.kl_to} pulls toward "
                               "mu, whose distribution no engine returns; use a sampled estimator (k1, k2, k3)"
@@ -341,8 +340,8 @@ class ObjectiveConfig:
 
     @property
     def behaviour_kl_estimator(self) -> str:
-        """The estimator of the KL to mu: behaviour_estimator, else estimator."""
-        return self.behaviour_estimator or self.estimator
+        """The estimator of the KL to mu: behaviour_estimator under kl_to both, else estimator."""
+        return self.behaviour_estimator if self.kl_to == "both" and self.behaviour_estimator else self.estimator
 
     @property
     def any_kl_in_loss(self) -> bool:
