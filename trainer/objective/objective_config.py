@@ -52,15 +52,15 @@ class ObjectiveConfig:
                     reward-token: where beta x the estimate goes (trainer.objective.placements; the last three
                     put it into per-token rewards, returned or not, as the PPO-style libraries do)
     beta            KL coefficient, >= 0 (ignored for placement none)
-    kl_to           the policy the KL pulls toward (trainer.objective.kl_to):
+    kl_to           the policy the KL pulls toward (docs/concepts/theory.md, "A KL to the behaviour policy"):
                     reference  pi_ref (the default: the KL of the papers)
                     behaviour  mu, the policy that sampled the batch (prime-rl's default, Kimi K2.5): a
                                trust region, in the loss only (placement loss), whose gradient vanishes
                                in expectation at pi = mu; exactly on-policy it adds noise or nothing
                     both       the reference's KL as configured, plus a KL to mu in the loss with its
                                own coefficient, behaviour_beta
-                    The KL to mu uses the estimator, kl_loss_ratio and the KL clamps as configured
-                    (not full: no engine returns mu's whole next-token distribution)
+                    The KL to mu uses the estimator (behaviour_estimator under both), kl_loss_ratio and the
+                    KL clamps as configured (not full: no engine returns mu's whole next-token distribution)
     behaviour_beta  the coefficient of the KL to mu under kl_to both, >= 0 (kl_to behaviour uses beta;
                     ignored outside both, as beta is without a KL term)
     behaviour_estimator  the estimator of the KL to mu under kl_to both, when not `estimator` (k2: prime-rl's
@@ -239,7 +239,7 @@ class ObjectiveConfig:
             raise ConfigError(f"objective.{key}", "shapes the bounds of the token ratio; set ratio_cap too")
 
     def _check_kl_to(self) -> None:
-        """The combinations of kl_to that mean something (trainer.objective.kl_to says why the others do not)."""
+        """The combinations of kl_to that mean something; each refusal says why the others do not."""
         _choice("kl_to", self.kl_to, KL_TARGETS)
         if self.kl_to == "both":
             if not (_number(self.behaviour_beta) and self.behaviour_beta >= 0):
