@@ -161,7 +161,8 @@ def test_the_shipped_studies_have_results_directories_of_their_own():
     config = REPO / "workflow" / "config"
     grown = {"toy_seeds.yaml": ["toy.yaml"], "toy_betas.yaml": ["toy.yaml"], "toy_quick_seed1.yaml": ["toy_quick.yaml"],
              "smol_cpu.yaml": ["smol.yaml"], "smol_mps.yaml": ["smol.yaml"], "paper_cpu.yaml": ["paper.yaml"],
-             "paper_cpu_hosts.yaml": ["paper.yaml", "paper_cpu.yaml"]}
+             "paper_cpu_hosts.yaml": ["paper.yaml", "paper_cpu.yaml"],
+             "toy_offpolicy_behaviour.yaml": ["toy_offpolicy.yaml"]}
     studies = {}
     for path in sorted(config.glob("*.yaml")):
         if path.name == "schema.yaml":
