@@ -73,15 +73,11 @@ def _train(out, model, processes, **extra):
     return metrics(out)
 
 
-@pytest.mark.slow
-def test_two_processes_make_the_same_updates_as_one(warm_model, tmp_path, noise_floor):
-    """accelerate launch, two CPU processes over gloo, FSDP2-sharded policy and reference, the hf engine
-    on a synced replica, two minibatches split over both, micro-batches: the run of one process. With
-    REINFORCE++'s advantages, normalised over the whole minibatch: every process's rows together."""
-    measure = {"measure.prompts": 6, "measure.samples": 3, "measure.reference_samples": 4,  # 3 prompts each
-               "objective.advantage": "reinforce++"}
-    one = _train(tmp_path / "one", warm_model, 1, **{"train.minibatches": 2, **measure})  # 8 rows per update
-    two = _train(tmp_path / "two", warm_model, 2, **{"train.minibatches": 2, "train.micro_batch_size": 4, **measure})
+def _assert_one_and_two_processes_train_alike(tmp_path, model, noise_floor, **extra):
+    """The run in one process and in two (two minibatches, micro-batches of 4 in two) log the same statistics to
+    rounding, and end with the same weights."""
+    one = _train(tmp_path / "one", model, 1, **{"train.minibatches": 2, **extra})  # 8 rows per update
+    two = _train(tmp_path / "two", model, 2, **{"train.minibatches": 2, "train.micro_batch_size": 4, **extra})
     for a, b in zip(one, two, strict=True):
         assert a.keys() == b.keys()
         for key in a.keys() - set(TIMING_KEYS):  # every statistic, pooled over processes as over one batch
@@ -90,6 +86,16 @@ def test_two_processes_make_the_same_updates_as_one(warm_model, tmp_path, noise_
     # gradient's size); gradients equal to float noise move them the same to 1% of that
     _assert_close(load_file(tmp_path / "one" / "final" / "model.safetensors"),
                   load_file(tmp_path / "two" / "final" / "model.safetensors"), atol=0.01 * 2 * float(RUN["train.lr"]))
+
+
+@pytest.mark.slow
+def test_two_processes_make_the_same_updates_as_one(warm_model, tmp_path, noise_floor):
+    """accelerate launch, two CPU processes over gloo, FSDP2-sharded policy and reference, the hf engine
+    on a synced replica, two minibatches split over both, micro-batches: the run of one process. With
+    REINFORCE++'s advantages, normalised over the whole minibatch: every process's rows together."""
+    measure = {"measure.prompts": 6, "measure.samples": 3, "measure.reference_samples": 4,  # 3 prompts each
+               "objective.advantage": "reinforce++"}
+    _assert_one_and_two_processes_train_alike(tmp_path, warm_model, noise_floor, **measure)
     # the objective measured by both processes, each on its share of the held-out prompts, gathered in order
     (a,), (b,) = (objective(tmp_path / name) for name in ("one", "two"))
     assert b["per_prompt"]["reward"] == a["per_prompt"]["reward"] and b["reference_reward"] == a["reference_reward"]
@@ -99,6 +105,15 @@ def test_two_processes_make_the_same_updates_as_one(warm_model, tmp_path, noise_
     state = torch.load(tmp_path / "two" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
     assert len(state["processes"]) == 2 and state["step"] == 2
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_1", "step_2"]
+
+
+@pytest.mark.slow
+def test_the_exact_kl_and_entropy_over_two_processes_make_the_updates_of_one(warm_model, tmp_path, noise_floor):
+    """The full-vocabulary KL in the reward and the loss, and the entropy bonus, read the output layer outside the
+    LM's own forward pass; FSDP2 shards it: computed inside the root's forward, two processes train as one."""
+    full = {"objective.estimator": "full", "objective.placement": "reward+loss", "train.logprob_chunk": 3,
+            "objective.entropy_coef": 0.01}
+    _assert_one_and_two_processes_train_alike(tmp_path, warm_model, noise_floor, **full)
 
 
 def test_bf16_mixed_precision_keeps_float32_weights_and_follows_the_float32_gradient(warm_model, tmp_path):

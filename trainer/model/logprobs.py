@@ -6,11 +6,15 @@ at the same column and only the completion's logits are computed (logits_to_keep
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 
 from trainer.batch import HeadInputs, PackedBatch, scatter
 from trainer.model.chunked_logprobs import DEFAULT_CHUNK, compute_dtype, token_logprobs
 from trainer.model.lean_head import LeanHead, lean_head
+
+Result = TypeVar("Result")
 
 
 class CompletionLogprobs(torch.nn.Module):
@@ -25,10 +29,11 @@ class CompletionLogprobs(torch.nn.Module):
         self.lm, self.temperature, self.chunk = lm, temperature, chunk
         self.head = lean_head(lm) if chunk else None  # checked once, while the LM is whole (before FSDP)
 
-    def forward(self, batch: PackedBatch, with_entropy: bool = False,
-                whole_vocabulary: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: PackedBatch | None = None, with_entropy: bool = False, whole_vocabulary: bool = False,
+                within: Callable[[], Result] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | Result:
         """log pi(token) of every completion token ([B, T], float32 or the LM's wider dtype, 0 on padding)
-        and, optionally, the entropy of each token's distribution (detached).
+        and, optionally, the entropy of each token's distribution (detached). With `within`, its result
+        instead (`in_forward`).
 
         With chunk > 0 (and an LM whose logits are a linear layer over its last hidden states, times a
         constant: `trainer.model.lean_head`), the logits of at most `chunk` tokens exist at a time
@@ -36,6 +41,8 @@ class CompletionLogprobs(torch.nn.Module):
         once, the naive way.
         With `whole_vocabulary`, the first result is instead log pi of every vocabulary entry at every
         completion position ([B, T, V]; callers bound B x T x V), for full-distribution quantities."""
+        if within is not None:
+            return within()
         model, temperature = self.lm, self.temperature
         length = batch.completion_ids.shape[1]
         inputs = self._inputs(batch)
@@ -55,10 +62,23 @@ class CompletionLogprobs(torch.nn.Module):
             return logp, entropy
         return self.logprobs_from_states(batch, self._completion_states(batch, inputs, head), with_entropy)
 
-    def completion_states(self, batch: PackedBatch) -> HeadInputs:
+    def in_forward(self, compute: Callable[[], Result]) -> Result:
+        """compute()'s result, computed inside this module's forward pass. Under FSDP2 the root's parameters (the
+        embeddings and the output layer that `completion_states` hands out) are whole only there, and the gradients
+        through them are reduced only for what passed through it: the exact KL and entropy, which read the output
+        layer outside the LM's own forward, are computed through here."""
+        return self(within=compute)
+
+    def completion_states(self, batch: PackedBatch, keep: bool = False) -> HeadInputs:
         """The last hidden states at the completion tokens' positions ([N, H], N = tokens under the mask)
-        and the output layer: what whole next-token distributions are computed from (`trainer.objective.full_kl`)."""
-        return self._completion_states(batch, self._inputs(batch), self._head())
+        and the output layer: what whole next-token distributions are computed from (`trainer.objective.full_kl`).
+        Call it `in_forward`; with `keep`, the output layer is a detached copy that outlives the forward pass (a
+        sharded model's is whole only during it)."""
+        states = self._completion_states(batch, self._inputs(batch), self._head())
+        if not keep:
+            return states
+        bias = None if states.bias is None else states.bias.detach().clone()
+        return HeadInputs(states.hidden.detach(), states.weight.detach().clone(), bias, states.scale)
 
     def _inputs(self, batch: PackedBatch) -> dict:
         positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)

@@ -91,12 +91,6 @@ def check_world(config: RunConfig, world: World) -> None:
     if t.micro_batch_size and rows % t.micro_batch_size:
         raise ConfigError("train.micro_batch_size", f"{t.micro_batch_size} does not divide the {rows} completions "
                           f"each process trains on per minibatch")
-    if world.sharded and config.objective.needs_full_kl:
-        raise ConfigError("objective.estimator", f"{config.objective.estimator} reads the reference's output layer "
-                          "outside its forward pass, which FSDP shards: run it in one process")
-    if world.sharded and config.objective.entropy_coef:
-        raise ConfigError("objective.entropy_coef", "the exact entropy reads the output layer outside the forward "
-                          "pass, which FSDP shards: run it in one process")
     if config.measure.prompts % world.size:
         raise ConfigError("measure.prompts", f"{config.measure.prompts} held-out prompts do not split evenly over "
                           f"{world.size} processes")

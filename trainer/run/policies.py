@@ -89,8 +89,9 @@ class Policies:
         with torch.no_grad(), self.precision():
             if not full:
                 return self.reference(batch)[0], None
-            states = self.reference.completion_states(batch)
-            return self.reference.logprobs_from_states(batch, states)[0], states
+            reference, sharded = self.reference, self.world.sharded
+            states = reference.in_forward(lambda: reference.completion_states(batch, keep=sharded))
+            return reference.logprobs_from_states(batch, states)[0], states
 
     def sampled_logprobs(self, batch: PackedBatch, with_entropy: bool = False,
                          reference: HeadInputs | None = None, entropy_grad: bool = False
@@ -98,12 +99,14 @@ class Policies:
         """The policy's log-probs of the sampled tokens; given the `reference`'s completion states of the
         batch, its exact KL to the reference at each position (else None); with `with_entropy`, each
         position's entropy (else None; with `entropy_grad`, always, with its gradient). [B, T] each."""
+        policy = self.policy
         if entropy_grad:
             with self.precision():
-                return entropy_bonus.logprobs_with_entropy(self.policy, batch, reference)
+                return policy.in_forward(lambda: entropy_bonus.logprobs_with_entropy(policy, batch, reference))
         if reference is None:
-            logp, entropy = self.logprobs(self.policy, batch, with_entropy)
+            logp, entropy = self.logprobs(policy, batch, with_entropy)
             return logp, None, entropy
         with self.precision():
-            logp, entropy, token_kl = full_kl.logprobs_with_token_kl(self.policy, batch, reference, with_entropy)
+            logp, entropy, token_kl = policy.in_forward(
+                lambda: full_kl.logprobs_with_token_kl(policy, batch, reference, with_entropy))
         return logp, token_kl, entropy
