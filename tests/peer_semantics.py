@@ -16,6 +16,8 @@ Sources, at the commits trainer/objective/presets.py cites:
 - SkyRL: skyrl/backends/skyrl_train/workers/worker.py:1077 (the KL loss per sequence)
 - open-instruct: open_instruct/grpo_utils.py (compute_rho_correction)
 - prime-rl: src/prime_rl/trainer/rl/loss.py (default_loss_fn), src/prime_rl/trainer/rl/train.py (loss_scale)
+- verl's DPPO (verl-project/verl): verl/trainer/ppo/core_algos.py (compute_policy_loss_dppo_tv, _dppo_kl)
+- OpenRLHF's unbiased_gradient (PR 1309's head): openrlhf/models/utils.py (compute_approx_kl)
 - the Comedy paper's fork, bbartoldson/tba-prime@59c2f8ae: src/zeroband/training/loss.py (tba_loss, get_token_kl,
   grpo_loss_ratio, icepop_loss, _apply_mask), src/zeroband/train.py (logZ and mean_KL per group of 16, max_tokens
   and the division by num_grad_acc_steps), src/zeroband/training/data.py (seq_lens: len(input_ids), the prompt's
@@ -50,18 +52,19 @@ def fixed_batch() -> Batch:
     """Two groups of two responses of up to four tokens, where every clamp of every preset binds somewhere: log-ratios
     to the reference of -25 and +45 (beyond 20 and 40), k3 values above 10 at l = -3.5, k1 values above 10 at
     l = +12, token ratios to mu of e^3 and e^-3 (beyond [0.125, 8]) and some beyond PPO's 0.2, sequence ratios beyond
-    TRL's clip, engine ratios of e^-12 (below open-instruct's e^-10) and e^1 (above its 2). Prompts of 5, 2, 7 and 3
-    tokens: the fork's divisor counts them."""
+    TRL's clip, engine ratios of e^-12 (below open-instruct's e^-10) and e^1 (above its 2); mu's log-probs below 0
+    (DPPO's regions read its probabilities). Prompts of 5, 2, 7 and 3 tokens: the fork's divisor counts them."""
     d = torch.float64
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=d)
-    ref = torch.tensor([[-1.0, -46.0, -2.0, -0.7], [-13.5, -1.2, -0.3, -1.0],
-                        [-0.4, -2.2, -1.0, -1.0], [-0.9, -1.5, -0.2, -2.5]], dtype=d)
+    ref = torch.tensor([[-1.0, -46.0, -2.0, -0.7], [-15.5, -1.2, -0.3, -1.0],
+                        [-0.4, -2.2, -1.0, -1.0], [-0.9, -1.5, -0.6, -2.5]], dtype=d)
     l = torch.tensor([[-25.0, 45.0, 0.3, -0.2], [12.0, -3.5, 0.1, 0.0],
                       [0.5, 0.25, 0.0, 0.0], [-0.6, 1.1, -0.05, 2.0]], dtype=d)
     logp = (ref + l).clamp(max=-1e-3)
     to_mu = torch.tensor([[0.1, 3.0, -0.3, 0.05], [-3.0, 0.25, 0.1, 0.0],
                           [0.15, -0.1, 0.0, 0.0], [2.2, 0.5, -0.4, 0.1]], dtype=d)  # log pi / mu
     old = logp - to_mu
+    assert bool((old < 0).all())
     to_engine = torch.tensor([[-12.0, 0.0, 1.0, 0.1], [0.2, -0.1, 0.0, 0.0],
                               [0.05, 1.2, 0.0, 0.0], [-0.3, 0.0, 0.2, -11.0]], dtype=d)  # log mu / engine
     engine = old - to_engine
@@ -143,6 +146,22 @@ def verl(b: Batch, beta: float, plus: bool = False) -> Tensor:
     return token_mean(ppo(b, rloo(b.rewards, b.group)), b.mask) + beta * token_mean(value, b.mask)
 
 
+def verl_dppo(b: Batch, beta: float, kind: str) -> Tensor:
+    """compute_policy_loss_dppo_{tv,kl}: -A sg(min(r, clip_ratio_c 3)) log pi on the tokens the mask keeps (the
+    region 0.2 in the advantage's direction), r = pi / pi_old; token-mean; plus use_kl_loss's low_var_kl."""
+    adv = rloo(b.rewards, b.group).unsqueeze(-1)
+    ratio = torch.exp((b.logp - b.old).clamp(-20, 20))
+    prob, old_prob = torch.exp(b.logp), torch.exp(b.old)
+    if kind == "tv":
+        valid = torch.where(adv > 0, prob - old_prob <= EPS, prob - old_prob >= -EPS)
+    else:
+        binary = old_prob * (b.old - b.logp) + (1 - old_prob) * torch.log((1 - old_prob + 1e-8) / (1 - prob + 1e-8))
+        valid = torch.where(adv > 0, (binary <= EPS) | (prob <= old_prob), (binary <= EPS) | (prob >= old_prob))
+    pg = -adv * torch.clamp(ratio, max=3.0).detach() * b.logp * valid.detach().to(b.logp.dtype)
+    value = k3_of((b.ref - b.logp).clamp(-20, 20)).clamp(-10, 10)
+    return token_mean(pg, b.mask) + beta * token_mean(value, b.mask)
+
+
 def verl_reward(b: Batch, beta: float) -> Tensor:
     """use_kl_in_reward, kl_penalty kl (old - ref), GAE with no critic (gamma = lam = 1): the return, whitened."""
     token_rewards = at_last_token(b.rewards, b.mask) - beta * (b.old - b.ref) * b.mask
@@ -155,6 +174,17 @@ def openrlhf(b: Batch, beta: float) -> Tensor:
     token_rewards = -beta * kl * b.mask + at_last_token(b.rewards, b.mask)
     adv = whiten_population(returns(token_rewards, b.mask), b.mask)
     return token_mean(ppo(b, adv), b.mask)
+
+
+def openrlhf_unbiased(b: Batch, beta: float) -> Tensor:
+    """--algo.kl.use_loss with unbiased_gradient: compute_approx_kl's value (k1, clamped to +-10), detached, plus the
+    straight-through surrogate w l^2 / 2 minus its value, w = min(pi / pi_old, 10) detached; a token mean."""
+    log_ratio = b.logp - b.ref
+    value = log_ratio.clamp(-10, 10)
+    w = torch.exp(b.logp - b.old).clamp(max=10.0).detach()
+    surrogate = w * log_ratio ** 2 / 2
+    kl = value.detach() + surrogate - surrogate.detach()
+    return token_mean(ppo(b, rloo(b.rewards, b.group)), b.mask) + beta * token_mean(kl, b.mask)
 
 
 def trl_grpo(b: Batch, beta: float, bias_corrected: bool = False) -> Tensor:
@@ -273,9 +303,15 @@ def prime_rl(b: Batch, beta: float) -> Tensor:
     return token_mean(per_token, b.mask)
 
 
+# The presets whose library minimises another value with the same gradient (a surrogate): their losses are compared
+# by gradient only. verl's DPPO: -A sg(w) log pi, klstudy's -A sg(w); OpenRLHF's unbiased_gradient: the chosen
+# estimator's detached value, klstudy's sg(w) k2.
+SURROGATE_VALUES = {"verl-dppo-tv", "verl-dppo-kl", "openrlhf-unbiased"}
+
 LIBRARIES = {
     "verl": verl, "verl-k3+": lambda b, beta: verl(b, beta, plus=True), "verl-reward": verl_reward,
-    "openrlhf": openrlhf, "trl-grpo": trl_grpo,
+    "verl-dppo-tv": lambda b, beta: verl_dppo(b, beta, "tv"), "verl-dppo-kl": lambda b, beta: verl_dppo(b, beta, "kl"),
+    "openrlhf": openrlhf, "openrlhf-unbiased": openrlhf_unbiased, "trl-grpo": trl_grpo,
     "trl-grpo-bias-corrected": lambda b, beta: trl_grpo(b, beta, bias_corrected=True), "trl-rloo": trl_rloo,
     "nemo-rl": nemo_rl, "nemo-rl-on-policy-kl": lambda b, beta: nemo_rl(b, beta, engine=True),
     "nemo-rl-reward": nemo_rl_reward, "slime": slime, "slime-grpo-reward-kl": slime_grpo, "skyrl": skyrl,

@@ -87,8 +87,11 @@ def test_audit_presets_explains_each_librarys_default(tmp_path):
         "trl-rloo", "paper-k1-reward", "paper-k1-reward-reset50"}
     assert {rows[name]["objective_on"] for name in ("verl-reward", "openrlhf", "nemo-rl-reward")} == {"biased"}
     assert {r["on_policy"] for name, r in rows.items() if r["placement"] == "loss"} == {
-        "per-prefix forward", "per-prefix reverse", "scaled per-prefix forward", "zero"}
+        "per-prefix forward", "per-prefix reverse", "scaled per-prefix forward", "scaled per-prefix reverse", "zero"}
     assert rows["skyrl"]["on_policy"] == "scaled per-prefix forward"  # per response: 1 / T of it, T = 2
+    # OpenRLHF's unbiased_gradient, said to be grad KL: token ratios give the per-prefix reverse KL's (a token mean)
+    assert rows["openrlhf-unbiased"]["on_policy"] == "scaled per-prefix reverse"
+    assert rows["openrlhf-unbiased"]["off_policy"] == "biased"
     assert rows["paper-k1-reward"]["on_policy"] == "scaled"           # (G - 1) / G grad KL
     assert rows["slime-grpo-reward-kl"]["on_policy"] == "zero"
     assert all(r["off_policy"] != "unbiased" for r in rows.values())  # token ratios: none of them off-policy

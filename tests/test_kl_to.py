@@ -136,8 +136,43 @@ def test_dppos_trust_region_drops_the_tokens_that_moved_beyond_it_in_the_advanta
     assert torch.allclose(grad, torch.tensor([[0.0, -1.1, 0.0, 0.7]], dtype=torch.float64))  # -A rho
     on_policy = pg_ratios.REGISTRY["dppo-tv"].term(logp, logp.detach(), adv, torch.ones(1, 4), config, None)
     assert not on_policy.clipped.any()
-    for values, key in (({}, "objective.clip_eps"), ({"clip_eps": 0.2, "clip_ratio_c": 3.0}, "objective.clip_ratio_c"),
-                        ({"clip_eps": 0.2, "ratio_cap": 8.0}, "objective.ratio_cap")):
+    for values, key in (({}, "objective.clip_eps"), ({"clip_eps": 0.2, "clip_ratio_c": 3.0}, "objective.clip_ratio_c")):
         with pytest.raises(ConfigError) as error:
             ObjectiveConfig(pg_ratio="dppo-tv", **values)
         assert error.value.key == key
+    assert "set ratio_cap" in str(error.value)  # verl's clip_ratio_c under DPPO is klstudy's ratio_cap
+
+
+def test_dppo_kls_region_is_the_binary_kl_in_the_advantages_direction_and_ratio_cap_truncates_the_weight():
+    """pg_ratio dppo-kl (verl's dppo_kl): KL(Bern(p_mu) || Bern(p)) above clip_eps_high with p > p_mu and A > 0, or
+    above clip_eps with p < p_mu and A <= 0, drops the token. ratio_cap truncates the detached weight: beyond it the
+    gradient is -cap A grad log pi (verl's clip_ratio_c), not 0."""
+    from trainer.objective import pg_ratios
+
+    p_mu = torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.02, 0.1]], dtype=torch.float64)
+    p = torch.tensor([[0.75, 0.3, 0.2, 0.6, 0.2, 0.06]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
+    binary = p_mu * (p_mu / p).log() + (1 - p_mu) * ((1 - p_mu) / (1 - p)).log()
+    # rising with A > 0, falling with A > 0, falling with A < 0, rising with A < 0, rising with A > 0, falling
+    assert [round(float(b), 3) for b in binary[0]] == [0.144, 0.087, 0.223, 0.02, 0.153, 0.012]
+    config = ObjectiveConfig(pg_ratio="dppo-kl", clip_eps=0.15, clip_eps_high=0.1, placement="none", ratio_cap=3.0)
+    logp, old = p.log().requires_grad_(), p_mu.log()
+    term = pg_ratios.REGISTRY["dppo-kl"].term(logp, old, adv, torch.ones_like(p), config, None)
+    assert term.clipped.tolist() == [[True, False, True, False, True, False]]
+    (grad,) = torch.autograd.grad(term.per_token.sum(), logp)
+    rho = (p / p_mu).clamp(max=3.0)  # 1.5, 0.6, 0.4, 1.2, 10 -> 3, 0.6
+    expected = torch.where(term.clipped, 0.0, -adv * rho)
+    assert torch.allclose(grad, expected) and torch.allclose(term.per_token.detach(), expected)
+    assert term.bounded.tolist() == [[False, False, False, False, True, False]]
+    uncapped = ObjectiveConfig(pg_ratio="dppo-kl", clip_eps=0.2, placement="none", ratio_cap=20.0)
+    wide = pg_ratios.REGISTRY["dppo-kl"].term(logp, old, adv, torch.ones_like(p), uncapped, None)
+    (grad,) = torch.autograd.grad(wide.per_token[0, 4], logp)
+    assert grad[0, 4] == pytest.approx(-10.0)  # inside the region at 0.2: the whole ratio p / p_mu
+    on_policy = pg_ratios.REGISTRY["dppo-kl"].term(logp, logp.detach(), adv, torch.ones_like(p), config, None)
+    assert not on_policy.clipped.any()
+    # where p_mu or p is 1 (a log-prob of 0): 0 log 0 = 0, and a token that took all the mass is outside
+    edge = pg_ratios.REGISTRY["dppo-kl"].term(torch.tensor([[-0.5, 0.0]], dtype=torch.float64, requires_grad=True),
+                                              torch.tensor([[0.0, -0.5]], dtype=torch.float64),
+                                              torch.tensor([[-1.0, 1.0]], dtype=torch.float64), torch.ones(1, 2), config,
+                                              None)
+    assert edge.clipped.tolist() == [[True, True]] and bool(torch.isfinite(edge.per_token).all())

@@ -225,6 +225,9 @@ def test_moving_targets_end_at_the_final_betas_optimum_and_a_refreshed_reference
     ({"estimator": "full", "kl_value_clamp": 10.0}, "objective.kl_value_clamp: clamps a sampled token"),
     ({"preset": "deepspeed"}, "objective.preset: 'deepspeed' is not one of verl, "),
     ({"kl_loss_ratio": "engines"}, "objective.kl_loss_ratio: 'engines' is not one of"),
+    ({"kl_loss_ratio": "detached", "kl_loss_ratio_cap": 0.5}, "objective.kl_loss_ratio_cap: must be None or a number"),
+    ({"kl_loss_ratio": "differentiable", "kl_loss_ratio_cap": 10.0},
+     "objective.kl_loss_ratio_cap: truncates a detached token weight"),
 ])
 def test_every_new_setting_is_validated_with_an_error_naming_its_key(values, message):
     with pytest.raises(ValueError) as error:

@@ -53,8 +53,10 @@ def test_the_papers_presets_take_mu_from_the_trainer_unless_the_run_config_says_
                                     "rollout.recompute_logprobs=false"])
     assert not engine.rollout.recompute_logprobs
     assert not run_config.load(None, ["model.path=m", "objective.preset=verl"]).rollout.recompute_logprobs
+    # and the libraries whose anchor is the trainer's pi_old: verl's DPPO, OpenRLHF's unbiased_gradient
     assert {name for name in presets.NAMES if presets.REGISTRY[name].rollout} == {
-        name for name in presets.NAMES if name.startswith("paper-")}
+        name for name in presets.NAMES if name.startswith("paper-")} | {"verl-dppo-tv", "verl-dppo-kl",
+                                                                          "openrlhf-unbiased"}
 
 
 def test_presets_as_a_study_axis_set_each_runs_estimator_and_placement():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from peer_semantics import LIBRARIES, RUN, fixed_batch
+from peer_semantics import LIBRARIES, RUN, SURROGATE_VALUES, fixed_batch
 from rounding import assert_equal_to_rounding
 
 from trainer.objective import pg_ratios, presets
@@ -53,7 +53,8 @@ def test_each_preset_computes_its_librarys_loss_and_gradient_where_the_clamps_bi
     loss, grad, stats = klstudy(name, batch)
     expected_loss, expected_grad = library(name, batch)
     size = sizes(batch)
-    assert_equal_to_rounding(loss, expected_loss, float(size.sum()), count=64, msg=f"{name}'s loss")
+    if name not in SURROGATE_VALUES:  # else the library's value is another surrogate of the same gradient
+        assert_equal_to_rounding(loss, expected_loss, float(size.sum()), count=64, msg=f"{name}'s loss")
     assert_equal_to_rounding(grad, expected_grad, size, count=64, msg=f"{name}'s gradient")
     config = ObjectiveConfig.of_preset(name)
     # the batch makes each preset's bounds bind, so that the test pins them too
@@ -65,6 +66,8 @@ def test_each_preset_computes_its_librarys_loss_and_gradient_where_the_clamps_bi
         assert stats["ratio_bounded_frac"] > 0
     if config.pg_ratio == "sequence" or pg_ratios.REGISTRY[config.pg_ratio].trust_region:
         assert stats["clip_frac"] > 0  # PPO's clip, or the trust region's mask
+    if config.kl_loss_ratio_cap is not None:
+        assert float((batch.logp - batch.old).detach().exp().max()) > config.kl_loss_ratio_cap
 
 
 def test_open_instructs_engine_weight_has_its_floor_of_e_to_the_minus_10():

@@ -124,7 +124,10 @@ def addition_cases(beta: float = 0.1, length: int = 2) -> list[Case]:
                {"ratio_cap": 8.0, "ratio_floor": 0.125, "ratio_mode": "mask"}, ""),
               ("sequence ratio", {"pg_ratio": "sequence"}, "exact"),
               ("sequence ratio, PPO-clipped at 0.2 (TRL RLOO)", {"pg_ratio": "sequence", "clip_eps": 0.2}, ""),
-              ("DPPO's trust region, 0.2 (prime-rl)", {"pg_ratio": "dppo-tv", "clip_eps": 0.2}, "")]
+              ("DPPO's trust region, 0.2 (prime-rl)", {"pg_ratio": "dppo-tv", "clip_eps": 0.2}, ""),
+              ("DPPO's trust region, weight truncated at 3 (verl dppo_tv)",
+               {"pg_ratio": "dppo-tv", "clip_eps": 0.2, "ratio_cap": 3.0}, ""),
+              ("DPPO's binary-KL region, 0.2 (verl dppo_kl)", {"pg_ratio": "dppo-kl", "clip_eps": 0.2}, "")]
     cases += [Case("policy-gradient ratio", label, replace(none, **values), none, "off-policy", theory, scale="1")
               for label, values, theory in ratios]
     cases += aggregation_cases(none, k3_loss, length)

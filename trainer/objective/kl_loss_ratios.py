@@ -26,6 +26,7 @@ class KlLossRatio:
     weight: Callable[..., Tensor | None]  # (logp, ratio, sequence, engine_logp) -> [B, T] or None
     sequence: bool = False           # reads the prefix ratios (and so objective.sequence_ratio_cap)
     needs_engine_logp: bool = False  # reads the rollout engine's own log-probs
+    truncatable: bool = False        # a detached token weight, which objective.kl_loss_ratio_cap may truncate
 
     @property
     def theory(self) -> str:
@@ -44,9 +45,11 @@ def none(logp: Tensor, ratio: Tensor, sequence: Any, engine_logp: Tensor | None)
     return None
 
 
-@register("detached")
+@register("detached", truncatable=True)
 def detached(logp: Tensor, ratio: Tensor, sequence: Any, engine_logp: Tensor | None) -> Tensor:
-    """beta * sg(rho) * k: the on-policy meaning under samples of mu, token level; on-policy a no-op."""
+    """beta * sg(rho) * k: the on-policy meaning under samples of mu, token level; on-policy a no-op. With k2, whose
+    gradient is l grad log pi, the unbiased token-level gradient of OpenRLHF's unbiased_gradient (rho truncated at
+    kl_loss_ratio_cap 10 there)."""
     return ratio.detach()
 
 

@@ -76,5 +76,7 @@ def kl_loss_term(config: ObjectiveConfig, logp: Tensor, ref_logp: Tensor, token_
 
 def kl_loss_weight(config: ObjectiveConfig, logp: Tensor, ratio: Tensor, sequence: tuple[Tensor, Tensor] | None,
                    engine_logp: Tensor | None) -> Tensor | None:
-    """The weight on each KL-loss token (objective.kl_loss_ratio, trainer.objective.kl_loss_ratios), None for none."""
-    return kl_loss_ratios.REGISTRY[config.kl_loss_ratio].weight(logp, ratio, sequence, engine_logp)
+    """The weight on each KL-loss token (objective.kl_loss_ratio, trainer.objective.kl_loss_ratios), None for none;
+    truncated at kl_loss_ratio_cap where set."""
+    weight = kl_loss_ratios.REGISTRY[config.kl_loss_ratio].weight(logp, ratio, sequence, engine_logp)
+    return weight if config.kl_loss_ratio_cap is None else weight.clamp(max=config.kl_loss_ratio_cap)

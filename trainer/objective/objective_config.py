@@ -74,8 +74,11 @@ class ObjectiveConfig:
                              sampler mu's log-ratio the reward term's expected gradient is off by
                              beta x grad KL(pi || mu) (docs/full_kl.md)
                     the same on-policy (one minibatch, one epoch, no async)
-    advantage       rloo | grpo | drgrpo | reinforce | reinforce++ (see trainer.objective.advantages;
-                    reinforce++ normalises over the whole minibatch)
+    advantage       rloo (leave-one-out baseline) | grpo (group mean / std) | drgrpo (group mean) | reinforce
+                    (none) | reinforce++ (group mean, then the minibatch's std) | reinforce-whiten, drgrpo-whiten
+                    (no baseline or the group mean, then the per-token return, KL included, whitened over
+                    the minibatch's tokens with the sample variance; -pop: the population variance;
+                    docs/peers.md, "Whitening the return") (trainer.objective.advantages)
     grpo_scale      grpo only: divide by the group std (False gives Dr. GRPO's centring)
     loss_agg        how per-token losses become one number: seq-mean-token-sum | seq-mean-token-mean |
                     token-mean | seq-mean-token-sum-norm | seq-mean-token-sum-seq-len (trainer.objective.loss_aggs,
@@ -97,12 +100,16 @@ class ObjectiveConfig:
                     differentiable | sequence | engine | score (trainer.objective.kl_loss_ratios, each one's
                     docstring says what it weighs and what that means on- and off-policy; engine needs
                     engine_logp)
+    kl_loss_ratio_cap  truncates a detached KL-loss weight (kl_loss_ratio detached) at this value (>= 1, so
+                    on-policy weights of 1 are untouched; OpenRLHF's unbiased_gradient: 10). None = exact
     pg_ratio        how the policy-gradient term corrects for samples of mu: token (PPO's per-token ratio,
-                    what the RL libraries do) | sequence (the detached sequence ratio, exactly unbiased)
-                    (trainer.objective.pg_ratios, each one's docstring says what it computes)
+                    what the RL libraries do) | sequence (the detached sequence ratio, exactly unbiased) |
+                    dppo-tv, dppo-kl (DPPO's trust regions) (trainer.objective.pg_ratios, each one's docstring
+                    says what it computes)
     ratio_cap, ratio_floor, ratio_mode  bound the token ratio rho_t = pi / mu before PPO's clip:
                     truncate  rho_t clamped to [ratio_floor, ratio_cap] (no gradient beyond; the Comedy
-                              paper's prime-rl fork: [0, 8])
+                              paper's prime-rl fork: [0, 8]; under dppo-*, the detached weight is
+                              truncated: verl's clip_ratio_c)
                     mask      tokens whose rho_t leaves [ratio_floor, ratio_cap] contribute nothing
                               (IcePop as that fork runs it: [0.125, 8])
                     ratio_cap >= 1 (on-policy ratios of 1 are untouched), ratio_floor in (0, 1] (None = 0)
@@ -161,6 +168,7 @@ class ObjectiveConfig:
     clip_eps_high: float | None = None
     clip_ratio_c: float | None = None
     kl_loss_ratio: str = "none"
+    kl_loss_ratio_cap: float | None = None
     tis_cap: float | None = None
     pg_ratio: str = "token"
     sequence_ratio_cap: float | None = None
@@ -213,10 +221,10 @@ class ObjectiveConfig:
             if self.clip_eps is None:
                 raise ConfigError("objective.clip_eps", f"pg_ratio {self.pg_ratio} drops the tokens that leave its "
                                   "trust region, whose width clip_eps gives (prime-rl and verl: 0.2)")
-            for key in ("clip_ratio_c", "ratio_cap"):
-                if getattr(self, key) is not None:
-                    raise ConfigError(f"objective.{key}", f"bounds PPO's token ratio, and pg_ratio {self.pg_ratio} "
-                                      "bounds the policy by its own trust region (clip_eps)")
+            if self.clip_ratio_c is not None:
+                raise ConfigError("objective.clip_ratio_c", f"is PPO's dual clip, and pg_ratio {self.pg_ratio} bounds "
+                                  "the policy by its own trust region (clip_eps); verl's clip_ratio_c under DPPO "
+                                  "truncates the ratio's weight: set ratio_cap")
         if pg_ratios.REGISTRY[self.pg_ratio].sequence:
             for key in ("clip_ratio_c", "ratio_cap"):
                 if getattr(self, key) is not None:
@@ -224,6 +232,7 @@ class ObjectiveConfig:
                                      "weights whole sequences; clip them with clip_eps or truncate them with "
                                      "sequence_ratio_cap")
         self._check_ratio_bounds()
+        self._check_kl_loss_ratio_cap()
         self._check_kl_to()
         cap = self.sequence_ratio_cap
         if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap >= 1):
@@ -237,6 +246,13 @@ class ObjectiveConfig:
         if self.ratio_cap is None and (self.ratio_floor is not None or self.ratio_mode != "truncate"):
             key = "ratio_floor" if self.ratio_floor is not None else "ratio_mode"
             raise ConfigError(f"objective.{key}", "shapes the bounds of the token ratio; set ratio_cap too")
+
+    def _check_kl_loss_ratio_cap(self) -> None:
+        _optional("kl_loss_ratio_cap", self.kl_loss_ratio_cap, lambda v: v >= 1, "a number >= 1")
+        if self.kl_loss_ratio_cap is not None and not kl_loss_ratios.REGISTRY[self.kl_loss_ratio].truncatable:
+            raise ConfigError("objective.kl_loss_ratio_cap", f"truncates a detached token weight (kl_loss_ratio "
+                              f"detached), not kl_loss_ratio {self.kl_loss_ratio}'s; sequence weights have "
+                              "sequence_ratio_cap")
 
     def _check_kl_to(self) -> None:
         """The combinations of kl_to that mean something; each refusal says why the others do not."""
@@ -386,7 +402,7 @@ class ObjectiveConfig:
     def inert_fields(self) -> frozenset[str]:
         """The fields this objective never reads: without a KL term its estimator, beta, ratio and kl_to;
         behaviour_beta and behaviour_estimator outside kl_to both;
-        with the KL only in the reward, the KL loss term's ratio; without it in the reward, reward_kl;
+        with the KL only in the reward, the KL loss term's ratio and its cap; without it in the reward, reward_kl;
         the engine weights' shape without tis_cap; grpo_scale outside grpo;
         norm_length outside its aggregation; sequence_ratio_cap without a sequence ratio. A study crosses an axis
         only where it is not inert, so that no two of its runs compute the same thing."""
@@ -401,7 +417,7 @@ class ObjectiveConfig:
         if self.ref_refresh_every is None:
             inert.add("ref_refresh_alpha")
         if not self.any_kl_in_loss:
-            inert.add("kl_loss_ratio")
+            inert |= {"kl_loss_ratio", "kl_loss_ratio_cap"}
         if not self.kl_in_reward:
             inert.add("reward_kl")
         if not advantages.REGISTRY[self.advantage].scaled:

@@ -108,17 +108,49 @@ def sequence_ratio(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, conf
     return PolicyGradient(per_token, clipped, None, None)
 
 
+def _trust_region(logp: Tensor, old: Tensor, adv_t: Tensor, config: Any, leaves: Tensor) -> PolicyGradient:
+    """-A sg(w) grad log pi per token, w = rho_t = pi_theta / mu bounded by ratio_cap and ratio_floor (verl's
+    clip_ratio_c truncates it; unbounded, the term is -rho_t A, value and gradient), and nothing where the token
+    `leaves` the trust region."""
+    weight, bounded = _bound((logp - old).exp().detach(), config)
+    score = (logp - logp.detach()).exp()  # 1 in value, grad log pi in the gradient
+    return PolicyGradient((-adv_t * weight * score).masked_fill(leaves, 0.0), leaves, None, bounded)
+
+
+def _widths(config: Any) -> tuple[float, float]:
+    """The trust region's width below and above: clip_eps, and clip_eps_high where given."""
+    return config.clip_eps, config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+
+
 @register("dppo-tv", trust_region=True)
 def dppo_tv(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, config: Any, sequence: Tensor | None
             ) -> PolicyGradient:
-    """DPPO's trust region on the sampled token's probability (prime-rl's default loss; verl's dppo_tv): -rho_t A
-    per token, rho_t = pi_theta / mu differentiable, and a token dropped (no value, no gradient) where the policy has
-    moved its probability out of the region in the advantage's direction: p - p_mu > clip_eps_high where A > 0,
-    p - p_mu < -clip_eps where A <= 0 (p = e^logp). Exactly on-policy nothing is dropped (-A grad log pi); off-policy
-    biased, as PPO's token ratio."""
-    ratio = (logp - old).exp()
+    """DPPO's trust region on the sampled token's probability, its total variation (prime-rl's default loss;
+    verl's dppo_tv): -rho_t A per token, rho_t = pi_theta / mu, its gradient -rho_t A grad log pi, and a token
+    dropped (no value, no gradient) where the policy has moved its probability out of the region in the
+    advantage's direction: p - p_mu > clip_eps_high where A > 0, p - p_mu < -clip_eps where A <= 0 (p = e^logp).
+    ratio_cap truncates the weight rho_t, detached (verl's clip_ratio_c): the gradient beyond the cap is
+    -ratio_cap A grad log pi, not 0 as for the token ratio's clamp. Exactly on-policy nothing is dropped
+    (-A grad log pi); off-policy biased, as PPO's token ratio."""
+    low, high = _widths(config)
     moved = logp.detach().exp() - old.exp()
-    high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
     rising = adv_t > 0
-    outside = (rising & (moved > high)) | (~rising & (moved < -config.clip_eps))
-    return PolicyGradient((-ratio * adv_t).masked_fill(outside, 0.0), outside, None, None)
+    return _trust_region(logp, old, adv_t, config, (rising & (moved > high)) | (~rising & (moved < -low)))
+
+
+@register("dppo-kl", trust_region=True)
+def dppo_kl(logp: Tensor, old: Tensor, adv_t: Tensor, maskf: Tensor, config: Any, sequence: Tensor | None
+            ) -> PolicyGradient:
+    """DPPO's trust region in the binary KL of the sampled token (verl's dppo_kl): dppo-tv's term, a token dropped
+    where KL(Bern(p_mu) || Bern(p)) = p_mu log(p_mu / p) + (1 - p_mu) log((1 - p_mu) / (1 - p)) exceeds
+    clip_eps_high while p > p_mu and A > 0, or clip_eps while p < p_mu and A <= 0: the region is a divergence of
+    the token's probability, wider where p_mu is near 1/2 than at its ends. Computed with xlogy (verl adds 1e-8
+    inside its logarithms): 0 log 0 = 0 where p_mu is 1. Exactly on-policy nothing is dropped; off-policy biased, as
+    dppo-tv."""
+    low, high = _widths(config)
+    p, p_mu = logp.detach().exp(), old.exp()
+    p_not, p_mu_not = -logp.detach().expm1(), -old.expm1()  # 1 - p, 1 - p_mu, exact near 1
+    binary = p_mu * (old - logp.detach()) + p_mu_not.xlogy(p_mu_not) - p_mu_not.xlogy(p_not)
+    rising = adv_t > 0
+    leaves = (rising & (binary > high) & (p > p_mu)) | (~rising & (binary > low) & (p < p_mu))
+    return _trust_region(logp, old, adv_t, config, leaves)

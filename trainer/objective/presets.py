@@ -84,6 +84,12 @@ NEMO_RL_REWARD = Source("NVIDIA-NeMo/RL", "7ea279abfbeb698b092856d0dab61e7cf39bc
                          "nemo_rl/algorithms/grpo.py", "examples/configs/grpo_math_1B.yaml"))
 OPEN_INSTRUCT = Source("allenai/open-instruct", "e6c3044aa6201c8bfa4573c1b03142af599e730d",
                        ("open_instruct/grpo_utils.py", "open_instruct/model_utils.py", "open_instruct/grpo_fast.py"))
+VERL_DPPO = Source("verl-project/verl", "1dda039b9c6311889a9c9a26040677e1254814f9",
+                   ("verl/trainer/ppo/core_algos.py", "verl/workers/config/actor.py", "verl/workers/utils/losses.py",
+                    "verl/trainer/ppo/ray_trainer.py"))
+OPENRLHF_UNBIASED = Source("OpenRLHF/OpenRLHF", "d3d1920349588f3ee419ef6883efd8e09a77360c",
+                           ("openrlhf/models/utils.py", "openrlhf/trainer/ray/ppo_actor.py",
+                            "openrlhf/cli/train_ppo_ray.py"))
 PRIME_RL = Source("PrimeIntellect-ai/prime-rl", "559b44772e471d1538537b8805cc77f3824a5e64",
                   ("src/prime_rl/trainer/rl/loss.py", "packages/prime-rl-configs/src/prime_rl/configs/trainer.py",
                    "src/prime_rl/trainer/rl/train.py"))
@@ -125,6 +131,19 @@ REGISTRY.register(Preset(
     "sums the KL over the response, subtracts the group mean and whitens (placement reward, advantage "
     "drgrpo-whiten); GRPO and RLOO sum it and do not whiten (placement reward). kl_ctrl.type=adaptive (target_kl "
     "0.1, horizon 10000) is objective.kl_target and kl_horizon."))
+VERL_DPPO_NOTES = ("-A sg(min(pi / pi_old, clip_ratio_c)) log pi on the tokens its mask keeps (core_algos.py: "
+                   "compute_policy_loss_dppo_{tv,kl}): the gradient of dppo-{tv,kl} with ratio_cap 3.0 (ActorConfig's "
+                   "clip_ratio_c; the code's 20.0 is a fallback), whose value is -A sg(w) instead; pi_old the actor's "
+                   "recomputed log-probs, not the engine's (recompute_logprobs). No KL to pi_old: the KL is "
+                   "use_kl_loss's low_var_kl, as preset verl. The example script runs 0.15 (tv) or 0.05 (kl), "
+                   "clip_ratio_c 10000 and seq-mean-token-sum-norm.")
+for kind in ("tv", "kl"):
+    REGISTRY.register(Preset(
+        f"verl-dppo-{kind}", "verl",
+        f"actor.policy_loss.loss_mode=dppo_{kind} (clip_ratio 0.2, clip_ratio_c 3.0), use_kl_loss=true, "
+        "kl_loss_type=low_var_kl, kl_loss_coef=0.001",
+        {**K3_LOSS, **CLAMPS_20_10, "beta": 0.001, "pg_ratio": f"dppo-{kind}", "clip_eps": 0.2, "ratio_cap": 3.0},
+        VERL_DPPO, VERL_DPPO_NOTES, {"recompute_logprobs": True}))
 REGISTRY.register(Preset(
     "openrlhf", "OpenRLHF",
     "--algo.kl.estimator k1 --algo.kl.init_coef 0.01 --algo.advantage.estimator gae (KL in the reward unless "
@@ -136,6 +155,16 @@ REGISTRY.register(Preset(
     "advantages over the batch's tokens with the population variance (reinforce_baseline after subtracting the "
     "group mean of R: drgrpo-whiten-pop); rloo, group_norm and dr_grpo do not whiten (their baselines on R only). "
     "--algo.kl.target with --algo.kl.horizon makes the coefficient adaptive."))
+REGISTRY.register(Preset(
+    "openrlhf-unbiased", "OpenRLHF",
+    "--algo.kl.use_loss --algo.kl.unbiased_gradient --algo.kl.estimator k1 --algo.kl.init_coef 0.01 (PR 1309)",
+    {"estimator": "k2", "placement": "loss", "kl_loss_ratio": "detached", "kl_loss_ratio_cap": 10.0, "beta": 0.01,
+     "kl_loss_agg": "token-mean"}, OPENRLHF_UNBIASED,
+    "compute_approx_kl's straight-through gradient, sg(min(pi / pi_old, 10)) (log pi - log pi_ref) grad log pi, "
+    "with pi_old the actor's log-probs at experience time (recompute_logprobs): k2's gradient with the detached, "
+    "truncated weight, whatever --algo.kl.estimator; its value is the estimator's, clamped to +-10 and detached "
+    "(klstudy's: sg(w) k2). The KL loss is a token mean over the step (aggregate_loss), whatever the policy "
+    "loss's.", {"recompute_logprobs": True}))
 REGISTRY.register(Preset(
     "trl-grpo", "TRL GRPOTrainer",
     "beta=0.0 (k3 in the loss when beta > 0); vllm_importance_sampling_mode=sequence_mask, clip_max=3.0",
