@@ -64,16 +64,16 @@ class CompletionLogprobs(torch.nn.Module):
 
     def in_forward(self, compute: Callable[[], Result]) -> Result:
         """compute()'s result, computed inside this module's forward pass. Under FSDP2 the root's parameters (the
-        embeddings and the output layer that `completion_states` hands out) are whole only there, and the gradients
-        through them are reduced only for what passed through it: the exact KL and entropy, which read the output
-        layer outside the LM's own forward, are computed through here."""
+        embeddings and the output layer that `completion_states` hands out) are whole, and their gradients reduced
+        over processes, only for what a forward pass computes: the exact KL and entropy, which read the output layer
+        outside the LM's own forward, are computed through here."""
         return self(within=compute)
 
     def completion_states(self, batch: PackedBatch, keep: bool = False) -> HeadInputs:
         """The last hidden states at the completion tokens' positions ([N, H], N = tokens under the mask)
         and the output layer: what whole next-token distributions are computed from (`trainer.objective.full_kl`).
-        Call it `in_forward`; with `keep`, the output layer is a detached copy that outlives the forward pass (a
-        sharded model's is whole only during it)."""
+        Call it `in_forward`; with `keep`, the output layer is a detached copy, which nothing FSDP2 frees after the
+        forward pass can touch (the reference's, kept for the step)."""
         states = self._completion_states(batch, self._inputs(batch), self._head())
         if not keep:
             return states
