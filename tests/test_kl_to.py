@@ -5,6 +5,7 @@ two terms, the gradient vanishing at pi = mu, and a trainer run."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -176,3 +177,18 @@ def test_dppo_kls_region_is_the_binary_kl_in_the_advantages_direction_and_ratio_
                                               torch.tensor([[-1.0, 1.0]], dtype=torch.float64), torch.ones(1, 2), config,
                                               None)
     assert edge.clipped.tolist() == [[True, True]] and bool(torch.isfinite(edge.per_token).all())
+
+
+def test_the_trust_region_and_unbiased_kl_presets_train_off_policy(warm_model, tmp_path):
+    """verl's DPPO (its binary-KL region, the weight truncated at 3) and OpenRLHF's unbiased_gradient, two steps
+    behind: each run trains, its mu is the trainer's recomputed pi_old (the preset's rollout key), and the ratio the
+    objective reads moves off 1."""
+    for preset in ("verl-dppo-kl", "openrlhf-unbiased"):
+        done = train_cli(tmp_path / preset, warm_model, **{"train.steps": 4, "train.async_level": 2,
+                                                           "objective.preset": preset})
+        assert done.returncode == 0, done.stderr[-3000:]
+        config = (tmp_path / preset / "config.yaml").read_text()
+        assert "recompute_logprobs: true" in config and f"preset: {preset}" in config
+        lines = read_metrics(tmp_path / preset / "metrics.jsonl")
+        assert [line["step"] for line in lines] == [0, 1, 2, 3]
+        assert all(math.isfinite(line["loss"]) for line in lines) and lines[3]["ratio_max"] > 1 + 1e-6
