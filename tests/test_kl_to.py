@@ -172,10 +172,10 @@ def test_dppo_kls_region_is_the_binary_kl_in_the_advantages_direction_and_ratio_
     on_policy = pg_ratios.REGISTRY["dppo-kl"].term(logp, logp.detach(), adv, torch.ones_like(p), config, None)
     assert not on_policy.clipped.any()
     # where p_mu or p is 1 (a log-prob of 0): 0 log 0 = 0, and a token that took all the mass is outside
-    edge = pg_ratios.REGISTRY["dppo-kl"].term(torch.tensor([[-0.5, 0.0]], dtype=torch.float64, requires_grad=True),
-                                              torch.tensor([[0.0, -0.5]], dtype=torch.float64),
-                                              torch.tensor([[-1.0, 1.0]], dtype=torch.float64), torch.ones(1, 2), config,
-                                              None)
+    edge_logp = torch.tensor([[-0.5, 0.0]], dtype=torch.float64, requires_grad=True)
+    edge_mu = torch.tensor([[0.0, -0.5]], dtype=torch.float64)
+    edge_adv = torch.tensor([[-1.0, 1.0]], dtype=torch.float64)
+    edge = pg_ratios.REGISTRY["dppo-kl"].term(edge_logp, edge_mu, edge_adv, torch.ones(1, 2), config, None)
     assert edge.clipped.tolist() == [[True, True]] and bool(torch.isfinite(edge.per_token).all())
 
 
