@@ -167,6 +167,24 @@ def test_extra_axes_group_the_rows_go_in_the_columns_and_get_their_figures(tmp_p
     assert figure.read_bytes().startswith(b"\x89PNG") and figure.stat().st_size > 20_000
 
 
+def test_a_run_whose_config_predates_an_axis_sits_at_the_trainers_default_not_at_every_value(tmp_path):
+    """A study grown by a new axis (objective.kl_to) after its first runs: those runs' configs, written by an
+    older trainer, lack the key. They ran at its default and are counted there once, not in every column."""
+    results = tmp_path / "results"
+    for seed in (0, 1):
+        write_run(results, f"toy__k1-loss__b0.1__s{seed}", "k1", "loss", 0.1, seed, [0.5, 0.5], {"arith": 0.2})
+        write_run(results, f"toy__k1-loss__b0.1__kl_to-both__s{seed}", "k1", "loss", 0.1, seed, [0.5, 0.6],
+                  {"arith": 0.6}, objective={"kl_to": "both", "behaviour_beta": 0.1})
+    write_run(results, "toy__k1-loss__b0.1__s2", "k1", "loss", 0.1, 2, [0.5, 0.5], {"arith": 0.2},
+              objective={"kl_to": "reference"})  # the same point, trained after the key existed
+    records = load_runs(results)
+    assert {r.run_id: r.coords["objective.kl_to"] for r in records if r.run_id.endswith("s0")} == {
+        "toy__k1-loss__b0.1__s0": "reference", "toy__k1-loss__b0.1__kl_to-both__s0": "both"}
+    report(results, columns=("objective.kl_to",))
+    by_kl_to = (results / "tables" / "results_by_kl_to.md").read_text()
+    assert "| toy | 0.1 | k1-loss | 2/3 | 0.600 ± 0.000 | 0.200 ± 0.000 |" in by_kl_to
+
+
 def test_any_axis_in_the_columns_and_a_bad_one_named(tmp_path):
     results = write_offpolicy_study(tmp_path / "results")
     report(results, columns=("placement",))

@@ -130,16 +130,35 @@ def coords_of(config: dict[str, Any], extra: list[str] | tuple[str, ...] = ()) -
     for axis in ("estimator", "placement", "beta"):
         key = STANDARD_KEYS[axis]
         coords[axis] = None if key in inert else lookup(config, key, "reward" if axis == "placement" else None)
-    coords.update({key: None if key in inert else lookup(config, key) for key in extra})
+    coords.update({key: None if key in inert else lookup(config, key, trainer_default(key)) for key in extra})
     coords["seed"] = lookup(config, "train.seed", 0)
     return coords
 
 
 @functools.cache
-def _config_keys() -> list[str]:
+def _trainer_defaults() -> dict[str, Any]:
     from trainer.config import RunConfig
 
-    return list(flatten(RunConfig().to_dict()))
+    return flatten(RunConfig().to_dict())
+
+
+@functools.cache
+def _config_keys() -> list[str]:
+    return list(_trainer_defaults())
+
+
+def trainer_default(key: str) -> Any:
+    """What a run whose config lacks `key` ran with: the trainer's default. A run config lacks a key when
+    an older trainer wrote it, before the key existed, and a new key's default keeps the old behaviour:
+    so a run of a study that grows a new axis (objective.kl_to) sits at the default, not everywhere."""
+    return _trainer_defaults().get(key)
+
+
+def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """A config's dotted keys, those it lacks at the trainer's defaults (`trainer_default`)."""
+    flat = flatten(config)
+    given = {".".join(key.split(".")[:depth]) for key in flat for depth in range(1, key.count(".") + 2)}
+    return {**{k: v for k, v in _trainer_defaults().items() if k not in given}, **flat}
 
 
 def config_order(key: str) -> tuple:
@@ -165,10 +184,10 @@ def extra_axes(configs: list[dict[str, Any]]) -> list[str]:
     seen: dict[str, dict[str, set[str]]] = {}  # key -> model -> values
     for config in configs:
         inert, name = inert_keys(config), model_name(config)
-        for key, value in flatten(config).items():
+        for key, value in _with_defaults(config).items():
             if key not in NOT_AXES and key not in inert:
                 seen.setdefault(key, {}).setdefault(name, set()).add(json.dumps(value, sort_keys=True))
-    # a key that some configs lack (runs of an older trainer) varies only if those that have it differ
+    # a key that some configs lack and the trainer no longer knows varies only if those that have it differ
     varying = [key for key, by_model in seen.items() if any(len(values) > 1 for values in by_model.values())]
     if PRESET in varying:  # a key that the preset sets is no axis of its own unless it varies within a preset
         varying = [key for key in varying if key not in PRESET_KEYS or _varies_within_preset(configs, key)]
@@ -184,7 +203,7 @@ def _varies_within_preset(configs: list[dict[str, Any]], key: str) -> bool:
     seen: dict[tuple[str, Any], set[str]] = {}
     for config in configs:
         where = (model_name(config), lookup(config, PRESET))
-        seen.setdefault(where, set()).add(json.dumps(lookup(config, key), sort_keys=True))
+        seen.setdefault(where, set()).add(json.dumps(lookup(config, key, trainer_default(key)), sort_keys=True))
     return any(len(values) > 1 for values in seen.values())
 
 
