@@ -38,12 +38,12 @@ def _pyplot():
     return plt
 
 
-def _finish(fig, title: str, path: Path, tight: bool = True) -> Path:
-    """Title, lay out, save and close a figure."""
+def _finish(fig, title: str, path: Path, tight: bool = True, bottom: float = 0.0) -> Path:
+    """Title, lay out (above the figure's lower `bottom` fraction, where a legend may sit), save and close."""
     plt = _pyplot()
     fig.suptitle(title)
     if tight:
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -176,14 +176,16 @@ def axis_figures(groups: list[Group], tasks: list[str], out: Path) -> list[Path]
                   and len({axes.value_text(g.coords[k]) for g in mine if g.coords[k] is not None}) > 1]
         if not metrics or not any(g.coords[axis] is not None for g in mine):
             continue
-        fig, panels = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.6), dpi=110, squeeze=False)
+        colors = _series_colors(plt, [_series_name(g, others, extra) for g in mine])  # the same in every panel
+        rows = -(-len(colors) // 2)  # the legend's, two series a row below the panels
+        legend_height = 0.1 + 0.11 * rows
+        fig, panels = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.6 + legend_height), dpi=110,
+                                   squeeze=False)
         for ax, metric in zip(panels[0], metrics, strict=True):
             series: dict[str, list[tuple[float, Any]]] = {}
             for g in mine:
                 if metric in g.cells:
-                    name = g.label + "".join(f", {axes.heading(k, extra)} {axes.value_text(g.coords[k])}"
-                                             for k in others if g.coords[k] is not None)
-                    series.setdefault(name, []).append((g.coords[axis], g.cells[metric]))
+                    series.setdefault(_series_name(g, others, extra), []).append((g.coords[axis], g.cells[metric]))
             for name, points in series.items():
                 if all(x is None for x, _ in points):  # the baseline without this axis: a level
                     for _, cell in points:
@@ -191,7 +193,8 @@ def axis_figures(groups: list[Group], tasks: list[str], out: Path) -> list[Path]
                     continue
                 points = sorted((float(x), c) for x, c in points if x is not None)
                 ax.errorbar([x for x, _ in points], [c.mean for _, c in points], yerr=[c.std for _, c in points],
-                            marker="o", capsize=3, label=name, linestyle="--" if name.startswith("no KL") else "-")
+                            marker="o", capsize=3, label=name, color=colors[name],
+                            linestyle="--" if name.startswith("no KL") else "-")
             xs = [g.coords[axis] for g in mine if g.coords[axis] is not None]
             if min(xs) > 0 and max(xs) / min(xs) >= 10:
                 ax.set_xscale("log")
@@ -204,11 +207,30 @@ def axis_figures(groups: list[Group], tasks: list[str], out: Path) -> list[Path]
             ax.set_title(f"{metric} pass@1" if metric not in OBJECTIVE_COLUMNS
                          else "objective gap J* - J (lower: better)")
             ax.grid(alpha=0.3)
-        panels[0][0].legend(fontsize=6)
+        # Below the panels, from every panel's lines: inside one, a dozen series cover the points.
+        shown = {label: handle for ax in panels[0]
+                 for handle, label in zip(*ax.get_legend_handles_labels(), strict=True)}
+        fig.legend(shown.values(), shown.keys(), loc="lower center", ncol=2, fontsize=6, frameon=False)
         name = axes.heading(axis, extra)
         paths.append(_finish(fig, f"{model}: accuracy and objective gap against {name}",
-                             out / f"accuracy_vs_{name}_{model}.png"))
+                             out / f"accuracy_vs_{name}_{model}.png", bottom=legend_height / (3.6 + legend_height)))
     return paths
+
+
+def _series_name(group: Group, others: list[str], extra: list[str]) -> str:
+    """A line's name in an axis figure: its configuration and its values of the `others` axes."""
+    return group.label + "".join(f", {axes.heading(k, extra)} {axes.value_text(group.coords[k])}"
+                                 for k in others if group.coords[k] is not None)
+
+
+def _series_colors(plt, names: list[str]) -> dict[str, Any]:
+    """A colour per distinct series name, in first-seen order: tab10's while ten suffice, else tab20's, its
+    ten dark shades before their light pairs (neighbours in tab20 are one hue)."""
+    distinct = list(dict.fromkeys(names))
+    if len(distinct) <= 10:
+        return {name: plt.cm.tab10(i) for i, name in enumerate(distinct)}
+    shades = [*range(0, 20, 2), *range(1, 20, 2)]
+    return {name: plt.cm.tab20(shades[i % 20]) for i, name in enumerate(distinct)}
 
 
 def _accuracy_by_step(record: RunRecord, task: str) -> dict[int, float]:
