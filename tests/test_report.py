@@ -42,6 +42,16 @@ def test_figures_are_written_and_not_empty(tmp_path):
         assert data.startswith(b"\x89PNG") and len(data) > 20_000
 
 
+def test_an_axis_figures_series_keep_one_colour_each_past_ten():
+    """A grown study draws a dozen lines against its async level: each its own colour, the same in every
+    panel (a panel without the no-KL baseline's gap must not shift the others' colours)."""
+    from sweep.report.figures import _pyplot, _series_colors
+
+    names = [f"series {i}" for i in range(12)]
+    colors = _series_colors(_pyplot(), names + names[:3])
+    assert list(colors) == names and len(set(colors.values())) == 12
+
+
 def test_instability_flags_collapse_and_skipped_updates(tmp_path):
     results = write_study(tmp_path / "results")
     records = {r.run_id: r for r in load_runs(results)}
