@@ -195,6 +195,26 @@ def test_a_run_whose_config_predates_an_axis_sits_at_the_trainers_default_not_at
     assert "| toy | 0.1 | k1-loss | 2/3 | 0.600 ± 0.000 | 0.200 ± 0.000 |" in by_kl_to
 
 
+def test_a_report_removes_what_the_one_before_wrote_and_it_no_longer_writes(tmp_path):
+    """Grown by an axis, a study's figures take new names: the old ones, with fewer seeds, must not stay
+    beside them as if current. A file the report never wrote stays."""
+    results = write_offpolicy_study(tmp_path / "results")
+    before = set(report(results)["files"])
+    mine = results / "figures" / "my_own_figure.png"
+    mine.write_bytes(b"not the report's")
+    for seed in (0, 1):
+        write_run(results, f"toy__k1-loss__b0.1__kl_to-both__async2__s{seed}", "k1", "loss", 0.1, seed, [0.5, 0.6],
+                  {"arith": 0.6}, train={"async_level": 2},
+                  objective={"kl_loss_ratio": "none", "kl_to": "both", "behaviour_beta": 0.1},
+                  measured=([0.7, 0.4], [0.2, 0.2]))
+    after = set(report(results)["files"])
+    gone = before - after
+    assert str(results / "figures" / "curves_toy_beta0.1_ratio-none_async2.png") in gone
+    assert str(results / "figures" / "curves_toy_beta0.1_kl_to-reference_ratio-none_async2.png") in after
+    assert not any(Path(name).exists() for name in gone) and all(Path(name).exists() for name in after)
+    assert mine.read_bytes() == b"not the report's"
+
+
 def test_any_axis_in_the_columns_and_a_bad_one_named(tmp_path):
     results = write_offpolicy_study(tmp_path / "results")
     report(results, columns=("placement",))

@@ -11,6 +11,10 @@ configuration with an unstable run, with the reasons under the table.
 
 results.md/.tex/.csv hold every axis in the rows; results_by_<axis>.md/.tex put one axis in the
 columns (each extra axis of the study, and any axis asked for), so that its values sit side by side.
+
+A report removes the files the one before it wrote and it does not (tables/.report_files lists them): a
+study grown by an axis renames its figures (`..._kl_to-reference_...`), and the old names, left beside the
+new, would show fewer seeds as if current. Files the report never wrote are left alone.
 """
 
 from __future__ import annotations
@@ -213,6 +217,7 @@ def report(results: Path, study: str | None = None, uri: str | None = None, coll
     from sweep.report import figures as draw  # matplotlib only here
 
     written += draw.all_figures(records, groups, tasks, figures)
+    _remove_unwritten(results, written)
     if study is not None:
         from sweep.tracking.experiment import default_uri, open_study
 
@@ -225,3 +230,17 @@ def report(results: Path, study: str | None = None, uri: str | None = None, coll
                        + "\nTables and figures: this run's artifacts `tables/` and `figures/`.\n")
     log.info("report: %d rows, %d tasks, %d files", len(layouts[None].rows), len(tasks), len(written))
     return {"rows": len(layouts[None].rows), "tasks": tasks, "files": [str(p) for p in written]}
+
+
+REPORT_FILES = "tables/.report_files"  # under results: what the last report wrote, a path a line
+
+
+def _remove_unwritten(results: Path, written: list[Path]) -> None:
+    """Delete what the previous report wrote and this one did not; record what this one wrote."""
+    manifest = results / REPORT_FILES
+    now = [str(Path(path).relative_to(results)) for path in written]
+    before = manifest.read_text().splitlines() if manifest.is_file() else []
+    for name in sorted(set(before) - set(now)):
+        (results / name).unlink(missing_ok=True)
+        log.info("report: removed %s, which this report no longer writes", name)
+    manifest.write_text("".join(f"{name}\n" for name in now))
