@@ -130,7 +130,7 @@ def coords_of(config: dict[str, Any], extra: list[str] | tuple[str, ...] = ()) -
     for axis in ("estimator", "placement", "beta"):
         key = STANDARD_KEYS[axis]
         coords[axis] = None if key in inert else lookup(config, key, "reward" if axis == "placement" else None)
-    coords.update({key: None if key in inert else lookup(config, key, trainer_default(key)) for key in extra})
+    coords.update({key: None if key in inert else run_value(config, key) for key in extra})
     coords["seed"] = lookup(config, "train.seed", 0)
     return coords
 
@@ -147,15 +147,15 @@ def _config_keys() -> list[str]:
     return list(_trainer_defaults())
 
 
-def trainer_default(key: str) -> Any:
-    """What a run whose config lacks `key` ran with: the trainer's default. A run config lacks a key when
-    an older trainer wrote it, before the key existed, and a new key's default keeps the old behaviour:
-    so a run of a study that grows a new axis (objective.kl_to) sits at the default, not everywhere."""
-    return _trainer_defaults().get(key)
+def run_value(config: dict[str, Any], key: str) -> Any:
+    """A run's value at a dotted key; where its config lacks the key, the trainer's default. A run config
+    lacks a key when an older trainer wrote it, before the key existed, and a new key's default keeps the old
+    behaviour: so a run of a study that grows a new axis (objective.kl_to) sits at the default, not everywhere."""
+    return lookup(config, key, _trainer_defaults().get(key))
 
 
 def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:
-    """A config's dotted keys, those it lacks at the trainer's defaults (`trainer_default`)."""
+    """A config's dotted keys, those it lacks at the trainer's defaults (as `run_value` reads them)."""
     flat = flatten(config)
     given = {".".join(key.split(".")[:depth]) for key in flat for depth in range(1, key.count(".") + 2)}
     return {**{k: v for k, v in _trainer_defaults().items() if k not in given}, **flat}
@@ -203,7 +203,7 @@ def _varies_within_preset(configs: list[dict[str, Any]], key: str) -> bool:
     seen: dict[tuple[str, Any], set[str]] = {}
     for config in configs:
         where = (model_name(config), lookup(config, PRESET))
-        seen.setdefault(where, set()).add(json.dumps(lookup(config, key, trainer_default(key)), sort_keys=True))
+        seen.setdefault(where, set()).add(json.dumps(run_value(config, key), sort_keys=True))
     return any(len(values) > 1 for values in seen.values())
 
 
