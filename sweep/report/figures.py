@@ -179,8 +179,8 @@ def axis_figures(groups: list[Group], tasks: list[str], out: Path) -> list[Path]
         colors = _series_colors(plt, [_series_name(g, others, extra) for g in mine])  # the same in every panel
         rows = -(-len(colors) // 2)  # the legend's, two series a row below the panels
         legend_height = 0.1 + 0.11 * rows
-        fig, panels = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.6 + legend_height), dpi=110,
-                                   squeeze=False)
+        height = 3.6 + legend_height
+        fig, panels = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), height), dpi=110, squeeze=False)
         for ax, metric in zip(panels[0], metrics, strict=True):
             series: dict[str, list[tuple[float, Any]]] = {}
             for g in mine:
@@ -213,7 +213,7 @@ def axis_figures(groups: list[Group], tasks: list[str], out: Path) -> list[Path]
         fig.legend(shown.values(), shown.keys(), loc="lower center", ncol=2, fontsize=6, frameon=False)
         name = axes.heading(axis, extra)
         paths.append(_finish(fig, f"{model}: accuracy and objective gap against {name}",
-                             out / f"accuracy_vs_{name}_{model}.png", bottom=legend_height / (3.6 + legend_height)))
+                             out / f"accuracy_vs_{name}_{model}.png", bottom=legend_height / height))
     return paths
 
 
