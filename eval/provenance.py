@@ -9,7 +9,11 @@ Three parts, each compared on its own:
 - `data`: per task evaluated, the source as given (a file, a study's prepared data set, a hub id) and the sha256
   of a local file's content, so that a file edited in place is seen.
 - `model`: the sha256 of a file that names the model it scored, where the caller gives one (a study gives
-  its run's COMPLETE record, which a run that trains again writes anew); else of the model's weights.
+  its run's COMPLETE record, which a run that trains again writes anew, and which names the run's config
+  digest); else of the model's weights.
+
+And `digest`, one sha256 of the three: the evaluation's identity, which the study's report lists beside its
+run's config digest for every number it draws from (tables/provenance.csv).
 
 Free of lm-eval and torch: the study reads and compares records without them.
 """
@@ -17,6 +21,7 @@ Free of lm-eval and torch: the study reads and compares records without them.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -73,11 +78,23 @@ def settings_record(settings: Any) -> dict[str, Any]:
 def record(settings: Any, model_record: Path | None = None,
            identify: Callable[[str], dict[str, Any]] = data_identity) -> dict[str, Any]:
     """What made an evaluation of `settings` (an EvalSettings), for its metrics.json (`identify`: a data
-    source's identity, data_identity or a cache of it)."""
-    return {"settings": settings_record(settings),
+    source's identity, data_identity or a cache of it), with its digest."""
+    made = {"settings": settings_record(settings),
             "data": {task: identify(source) for task, source in sorted(settings.data.items())
                      if task in settings.tasks},
             "model": model_identity(settings.model, model_record)}
+    return made | {"digest": digest(made)}
+
+
+def digest(made: dict[str, Any]) -> str:
+    """An evaluation's identity: the sha256 of what made it (a `record`) as canonical JSON, its model and
+    data by content where they have one (by name where not), so that a results directory moved elsewhere
+    keeps its digests."""
+    data = {task: part.get("sha256") or part.get("source") for task, part in (made.get("data") or {}).items()}
+    model = made.get("model") or {}
+    identity = {"settings": made.get("settings"), "data": data,
+                "model": model.get("sha256") or model.get("name")}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def differences(recorded: dict[str, Any] | None, expected: dict[str, Any], model: bool = True) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from trainer.config import ConfigError, RunConfig, as_saved, differences
+from trainer.config import ConfigError, RunConfig, as_saved, differences, digest
 from trainer.distributed import World
 from trainer.lease import Lease, slurm_job
 from trainer.run.errors import TrainingError
@@ -87,10 +87,13 @@ def is_complete(out: Path) -> bool:
     return (out / COMPLETE).exists()
 
 
-def mark_complete(out: Path, lease: Lease, steps: int) -> None:
-    """COMPLETE, the run directory's last write (after its log is closed): from now on nothing opens it."""
+def mark_complete(out: Path, lease: Lease, steps: int, config: RunConfig) -> None:
+    """COMPLETE, the run directory's last write (after its log is closed): from now on nothing opens it. It
+    names the config its model was trained under (trainer.config.digest), so that an evaluation, which records
+    COMPLETE's digest as its model's, names it too."""
     lease.check()
-    (out / COMPLETE).write_text(json.dumps({"steps": steps, "finished": time.time()}) + "\n")
+    record = {"steps": steps, "finished": time.time(), "config_sha256": digest(config)}
+    (out / COMPLETE).write_text(json.dumps(record) + "\n")
 
 
 def record_error(out: Path, error: Exception, step: int | None, main: bool) -> None:
