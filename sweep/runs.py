@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,8 +10,10 @@ from typing import Any
 
 import yaml
 
+from eval import provenance
 from eval.harness import METRICS_FILE
 from sweep.study import axes
+from trainer.config import ConfigError, digest, from_dict
 from trainer.run_files import COMPLETE, CONFIG, METRICS, OBJECTIVE, OBJECTIVE_REFERENCE, read_metrics
 
 
@@ -23,6 +26,12 @@ class Evaluation:
     where: str          # its directory under results/eval/<run id>: <suite> or step_<N>/<suite>
     directory: Path
     scores: dict[str, Any]  # its metrics.json
+
+    @property
+    def digest(self) -> str | None:
+        """What made it, as one sha256 (eval.provenance.digest); None for one made before klstudy recorded it."""
+        made = self.scores.get("provenance")
+        return provenance.digest(made) if isinstance(made, dict) else None
 
 
 @dataclass
@@ -55,6 +64,15 @@ class RunRecord:
     @property
     def complete(self) -> bool:
         return (self.path / COMPLETE).exists()
+
+    @functools.cached_property
+    def config_digest(self) -> str | None:
+        """The run's identity (trainer.config.digest) from its config.yaml, with the keys klstudy added since
+        at their defaults; None for a config that no longer validates."""
+        try:
+            return digest(from_dict(self.config))
+        except ConfigError:
+            return None
 
     @property
     def coords(self) -> dict[str, Any]:

@@ -5,12 +5,14 @@ evaluations redone with it; a second study on the same results directory is refu
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,31 @@ def test_a_run_directory_deleted_by_hand_is_trained_again_and_its_evaluations_re
     assert made["model"]["sha256"] == hashlib.sha256((results / "runs" / RUNS[0] / COMPLETE).read_bytes()).hexdigest()
     assert made != json.loads(old)["provenance"]
     assert "Nothing to be done" in snakemake(finished, "-n").stdout
+
+
+def test_every_output_names_the_digest_the_study_resolves_for_it(finished_quick_study):
+    """The study's resolved run (`sweep status --json`), its COMPLETE and the report's provenance.csv carry one
+    config digest; each evaluation's metrics.json, its recomputation and provenance.csv one digest of what made
+    it, whose model part is COMPLETE's content, so that an evaluation names its run's config too."""
+    from eval import provenance
+
+    results = finished_quick_study / "results"
+    shown = subprocess.run([sys.executable, "-m", "sweep", "status", "--configfile", "study.yaml", "--json"],
+                           cwd=finished_quick_study, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    resolved = {point["run_id"]: point["digest"] for point in json.loads(shown.stdout)}
+    assert sorted(resolved) == sorted(RUNS) and len(set(resolved.values())) == len(RUNS)
+    rows = list(csv.DictReader((results / "tables" / "provenance.csv").open()))
+    for run in RUNS:
+        assert json.loads((results / "runs" / run / COMPLETE).read_text())["config_sha256"] == resolved[run]
+    assert {row["run_id"]: row["config_sha256"] for row in rows} == resolved
+    listed = {f"{row['run_id']}/{row['evaluation']}": row["evaluation_sha256"] for row in rows if row["evaluation"]}
+    assert sorted(listed) == sorted(EVALUATIONS)
+    for key, listed_digest in listed.items():
+        made = json.loads((results / "eval" / key / "metrics.json").read_text())["provenance"]
+        complete = (results / "runs" / key.split("/")[0] / COMPLETE).read_bytes()
+        assert made["model"]["sha256"] == hashlib.sha256(complete).hexdigest()
+        assert made["digest"] == provenance.digest(made) == listed_digest
 
 
 def test_a_second_shipped_study_on_the_same_results_directory_is_refused_and_the_first_kept(finished):

@@ -11,6 +11,7 @@ configuration with an unstable run, with the reasons under the table.
 
 results.md/.tex/.csv hold every axis in the rows; results_by_<axis>.md/.tex put one axis in the
 columns (each extra axis of the study, and any axis asked for), so that its values sit side by side.
+provenance.csv says what made every number: each run's config digest and each evaluation's.
 
 A report removes the files the one before it wrote and it does not (tables/.report_files lists them): a
 study grown by an axis renames its figures (`..._kl_to-reference_...`), and the old names, left beside the
@@ -145,6 +146,21 @@ def write_csv(groups: list[Group], tasks: list[str], path: Path) -> None:
                                      len(cell.values), p, "; ".join(group.unstable)])
 
 
+def write_provenance(records: list[RunRecord], path: Path) -> None:
+    """What made every number: a line per run (its training metrics: the objective, KL and reward columns)
+    with its config digest (trainer.config.digest), then a line per evaluation (the task columns) with what
+    made it (eval.provenance.digest; empty for one made before klstudy recorded it)."""
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["run_id", "configuration", "seed", "complete", "config_sha256", "evaluation",
+                         "evaluation_sha256"])
+        for record in records:
+            run = [record.run_id, record.label, record.coords["seed"], int(record.complete), record.config_digest or ""]
+            writer.writerow([*run, "", ""])
+            for evaluation in record.evaluations():
+                writer.writerow([*run, evaluation.where, evaluation.digest or ""])
+
+
 def audit_tables(audit_csv: Path, out: Path) -> list[Path]:
     """The gradient audit's verdict table (from `python -m trainer audit --out`), as Markdown and LaTeX."""
     if not audit_csv.is_file():
@@ -212,7 +228,8 @@ def report(results: Path, study: str | None = None, uri: str | None = None, coll
         (tables / f"{stem}.tex").write_text(latex_table(table))
         written += [tables / f"{stem}.md", tables / f"{stem}.tex"]
     write_csv(groups, tasks, tables / "results.csv")
-    written.append(tables / "results.csv")
+    write_provenance(records, tables / "provenance.csv")
+    written += [tables / "results.csv", tables / "provenance.csv"]
     written += audit_tables(results / "audit" / "gradient_audit.csv", tables)
     from sweep.report import figures as draw  # matplotlib only here
 

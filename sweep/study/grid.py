@@ -64,6 +64,13 @@ class RunSpec:
         return None if found is None else found + bracket + rest
 
     @property
+    def digest(self) -> str:
+        """The run's identity (trainer.config.digest): what its COMPLETE records once it is trained."""
+        from trainer.config import digest, from_dict
+
+        return digest(from_dict(self.config))
+
+    @property
     def model(self) -> str:
         return self.coords["model"]
 

@@ -9,8 +9,10 @@
 - pending: none of these; a run interrupted mid-way says the last step it logged (it resumes from its
   newest checkpoint).
 
-`python -m sweep status` prints it. It reads a few small files per point, so it answers in well
-under two seconds for a study of hundreds of points (docs/guides/resuming.md has the measurement).
+`python -m sweep status` prints it; with `--json`, each point also with its config digest (trainer.config.digest),
+the one its run's COMPLETE, its MLflow run (tag klstudy.config_digest) and the report's provenance.csv carry.
+It reads a few small files per point, so it answers in well under two seconds for a study of hundreds of
+points (docs/guides/resuming.md has the measurement).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class PointStatus:
     evaluations_done: int
     evaluations: int
     detail: dict[str, Any]         # failed: reason, step, log; running: holder and heartbeat age
+    digest: str                    # the run's identity (trainer.config.digest): its COMPLETE's, MLflow's tag
 
     def line(self, width: int = 0) -> str:
         evals = f"evaluations {self.evaluations_done}/{self.evaluations}"
@@ -62,7 +65,8 @@ def point_status(study: Study, run_id: str, evaluations: list[jobs.EvalTarget], 
     run_dir = study.results / "runs" / run_id
     steps = study.run(run_id).config.get("train", {}).get("steps", TrainConfig.steps)
     done_evals = sum(jobs.evaluation_file(study, target).is_file() for target in evaluations)
-    base = dict(run_id=run_id, steps=steps, evaluations_done=done_evals, evaluations=len(evaluations))
+    base = dict(run_id=run_id, steps=steps, evaluations_done=done_evals, evaluations=len(evaluations),
+                digest=study.run(run_id).digest)
     outputs = survey.outputs_of(run_id) if survey is not None else []
     if outputs:
         return PointStatus(state="changed", step=count_lines(run_dir / METRICS),

@@ -34,6 +34,7 @@ MAX_PARAM = 6000        # MLflow's limit of a param value's length
 TAG_ROLE, TAG_STUDY, TAG_RUN = "klstudy.role", "klstudy.study", "klstudy.run_id"
 TAG_SET_UP = "klstudy.set_up"  # a child run's params and config are logged
 TAG_LABEL = "klstudy.config_label"
+TAG_CONFIG_DIGEST = "klstudy.config_digest"  # the run's identity (trainer.config.digest): equal configs, equal tag
 
 
 @dataclass
@@ -100,7 +101,8 @@ def coordinate_tags(record: RunRecord) -> dict[str, str]:
 
 
 def wanted_tags(record: RunRecord) -> dict[str, str]:
-    return coordinate_tags(record) | {TAG_LABEL: record.label} | study_page.grid_point_tags(record)
+    digest = {TAG_CONFIG_DIGEST: record.config_digest} if record.config_digest else {}
+    return coordinate_tags(record) | {TAG_LABEL: record.label} | digest | study_page.grid_point_tags(record)
 
 
 def _params(record: RunRecord):
@@ -242,6 +244,11 @@ def _eval_tag(where: str) -> str:
     return f"klstudy.eval_digest.{where.replace('/', '.')}"
 
 
+def _made_by_tag(where: str) -> str:
+    """Of what made the evaluation (eval.provenance.digest), where _eval_tag's is of its scores."""
+    return f"klstudy.eval_made_by.{where.replace('/', '.')}"
+
+
 def _digest(scores: dict) -> str:
     """Of the scores as read and logged (not of the file now, which an evaluation may have rewritten)."""
     return hashlib.sha256(json.dumps(scores, sort_keys=True).encode()).hexdigest()[:16]
@@ -267,7 +274,8 @@ def _log_evals(client, run_id: str, state: dict, record: RunRecord, stamps: dict
             if "pass@k" in row:
                 values.append(Metric(f"eval/{suite}/{task}/pass_at_{row['pass@k']['k']}",
                                      float(row["pass@k"]["value"]), stamp, step))
-        client.log_batch(run_id, metrics=values, tags=[RunTag(_eval_tag(where), digest)])
+        made_by = [RunTag(_made_by_tag(where), evaluation.digest)] if evaluation.digest else []
+        client.log_batch(run_id, metrics=values, tags=[RunTag(_eval_tag(where), digest), *made_by])
         if (eval_dir / "samples.jsonl").exists():
             client.log_artifact(run_id, str(eval_dir / "samples.jsonl"), artifact_path=f"eval/{where}")
             report.artifacts_logged += 1

@@ -250,7 +250,7 @@ def train(config: RunConfig, out_dir: Path, sigterm: SigtermFlag | None = None, 
                     if run is not None:
                         run.engine.close()  # before the process group goes: vLLM tears down its groups in it
             if trained and world.main:
-                directory.mark_complete(out_dir, run.lease, run.step)
+                directory.mark_complete(out_dir, run.lease, run.step, config)
         finally:
             if run is not None:
                 run.release()
