@@ -41,7 +41,7 @@ def test_a_runs_digest_is_of_what_its_config_sets_apart_from_the_defaults():
     changed = [{"objective": {"beta": 0.3}}, {"objective": {"estimator": "k3"}}, {"objective": {"placement": "loss"}},
                {"train": {"seed": 2}}, {"train": {"lr": 3e-4}}, {"task": {"options": {"max_operand": 9}}},
                {"model": {"path": "n"}}, {"rollout": {"max_new_tokens": 5}}, {"objective": {"preset": "trl-grpo"}}]
-    digests = {digest(run_config.apply_overrides(dict(BASE), [f"{section}.{key}={json.dumps(value)}"]))
+    digests = {digest(run_config.apply_overrides(BASE, [f"{section}.{key}={json.dumps(value)}"]))
                for change in changed for section, values in change.items() for key, value in values.items()}
     assert len(digests) == len(changed) and expected not in digests
 

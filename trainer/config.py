@@ -333,16 +333,13 @@ def as_saved(saved: Any) -> Any:
 
 def digest(config: RunConfig) -> str:
     """The run's identity: the sha256 of what its config sets apart from the trainer's defaults, as canonical
-    JSON. Two configs that train the same run share it however they were written (a preset or its keys, a
-    default given or left out), and a key klstudy adds later, at its default, leaves every digest as it was."""
+    JSON. Two configs that train the same run share it however they were written (a default given or left
+    out, 1 for 1.0), and a key klstudy adds later, at its default, leaves every digest as it was."""
     defaults = _default_dict()
-    own = {name: {key: value for key, value in values.items() if defaults[name].get(key, _MISSING) != value}
+    own = {name: {key: value for key, value in values.items() if defaults[name][key] != value}
            for name, values in config.to_dict().items()}
     text = json.dumps({name: values for name, values in own.items() if values}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-_MISSING = object()
 
 
 @functools.cache
