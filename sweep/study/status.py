@@ -62,11 +62,11 @@ class PointStatus:
 
 def point_status(study: Study, run_id: str, evaluations: list[jobs.EvalTarget], now: float,
                  survey: changes.Survey | None = None) -> PointStatus:
-    run_dir = study.results / "runs" / run_id
-    steps = study.run(run_id).config.get("train", {}).get("steps", TrainConfig.steps)
+    run_dir, spec = study.results / "runs" / run_id, study.run(run_id)
+    steps = spec.config.get("train", {}).get("steps", TrainConfig.steps)
     done_evals = sum(jobs.evaluation_file(study, target).is_file() for target in evaluations)
     base = dict(run_id=run_id, steps=steps, evaluations_done=done_evals, evaluations=len(evaluations),
-                digest=study.run(run_id).digest)
+                digest=spec.digest)
     outputs = survey.outputs_of(run_id) if survey is not None else []
     if outputs:
         return PointStatus(state="changed", step=count_lines(run_dir / METRICS),
