@@ -108,7 +108,7 @@ TOGETHER_FILES = {"test_mlflow_ui.py", "test_rollout_contract.py", "test_smollm2
 
 
 # The files whose tests take the longest, longest first (the cluster's files first: test_cluster_hosts.py alone,
-# the rehearsal across hosts and the node that dies among its tests, takes about 8 minutes on 2 cores; then the
+# the rehearsal across hosts and the node that dies among its tests, takes about 13 minutes on 2 cores; then the
 # SmolLM2 study, ... the distributed runs). Their tests are collected first, in this order, and handed out first:
 # the two processes then end together, on short tests, where one of them used to run the last studies alone for
 # 100 s. A file missing here only goes out later. test_cluster_hosts.py is first of the cluster's files, which go
