@@ -315,8 +315,8 @@ def test_the_paper_study_at_cpu_size_runs_across_the_hosts_as_the_guide_says(hos
     export, setting = words(wait_policy)
     assert export == "export" and setting.startswith("OMP_WAIT_POLICY="), wait_policy
     cold = {k: v for k, v in cold_environment(dict(os.environ)).items()
-            if not k.startswith(("HF_", "HUGGING_FACE_", "OMP_WAIT_POLICY"))}  # the suite's wait policy: the guide's
-    cold.update([setting.split("=", 1)])
+            if not k.startswith(("HF_", "HUGGING_FACE_", "OMP_WAIT_POLICY"))}
+    cold.update([setting.split("=", 1)])  # the guide's wait policy, not the suite's
     hub_command = words(hub_line)
     assert hub_command[:2] == [".venv/bin/python", "tests/hub_server.py"] and "--outside" in hub_command
     hub_command[-1] = str(tmp_path / "hub")  # its directory, in the test's own
